@@ -1,0 +1,467 @@
+"""Task datasets: bundled GSM8K and a procedurally generated GSM8K-style arithmetic task.
+
+Every dataset has the columns ``prompt`` (standard string or a one-message conversation),
+``answer`` (the final number as a string, e.g. ``"72"``) and ``solution`` (GSM8K-style worked
+solution with ``<<expr=value>>`` annotations, ending with ``#### <answer>``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import datasets
+
+__all__ = [
+    "GSM8K_DIR",
+    "GSM8K_SPLITS",
+    "PROMPT_TEMPLATE",
+    "arithmetic_examples",
+    "extract_final_answer",
+    "format_prompt",
+    "load_gsm8k",
+    "make_arithmetic_task",
+]
+
+GSM8K_DIR = Path(__file__).parent / "data" / "gsm8k"
+GSM8K_SPLITS = ("train", "test")
+
+# No trailing whitespace: a completion is expected to start with " " (SFT: " " + solution).
+PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
+
+_FINAL_ANSWER_RE = re.compile(r"^\s*\$?\s*([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+))")
+
+
+def format_prompt(question: str, conversational: bool = False) -> str | list[dict[str, str]]:
+    """Prompt for one question: ``PROMPT_TEMPLATE`` text, or a single user message."""
+    if conversational:
+        return [{"role": "user", "content": question}]
+    return PROMPT_TEMPLATE.format(question=question)
+
+
+def extract_final_answer(text: str) -> str | None:
+    """Number after the last ``####`` with commas, ``$`` and a trailing ``.`` removed; None if absent."""
+    if not isinstance(text, str) or "####" not in text:
+        return None
+    match = _FINAL_ANSWER_RE.match(text.rsplit("####", 1)[1])
+    if match is None:
+        return None
+    return match.group(1).replace(",", "").lstrip("+")
+
+
+def _to_dataset(examples: list[dict], conversational: bool) -> datasets.Dataset:
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [format_prompt(ex["question"], conversational) for ex in examples],
+            "answer": [ex["answer"] for ex in examples],
+            "solution": [ex["solution"] for ex in examples],
+        }
+    )
+
+
+def load_gsm8k(
+    split: str = "train", conversational: bool = False, limit: int | None = None
+) -> datasets.Dataset:
+    """Bundled GSM8K (MIT licence) as a ``datasets.Dataset``; ``limit`` keeps the first rows."""
+    if split not in GSM8K_SPLITS:
+        raise ValueError(f"Unknown GSM8K split {split!r}; expected one of {GSM8K_SPLITS}.")
+    examples = []
+    with open(GSM8K_DIR / f"{split}.jsonl", encoding="utf-8") as f:
+        for line in f:
+            if limit is not None and len(examples) >= limit:
+                break
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            answer = extract_final_answer(row["answer"])
+            if answer is None:
+                raise ValueError(f"GSM8K {split} row {len(examples)} has no '####' final answer.")
+            examples.append({"question": row["question"], "solution": row["answer"], "answer": answer})
+    return _to_dataset(examples, conversational)
+
+
+# Procedural multi-step arithmetic word problems.
+
+MAX_VALUE = 200
+
+_PEOPLE = [
+    ("Tom", "he", "his"),
+    ("Anna", "she", "her"),
+    ("Ben", "he", "his"),
+    ("Lily", "she", "her"),
+    ("Sam", "he", "his"),
+    ("Mia", "she", "her"),
+    ("Jack", "he", "his"),
+    ("Emma", "she", "her"),
+    ("Leo", "he", "his"),
+    ("Zoe", "she", "her"),
+    ("Max", "he", "his"),
+    ("Ella", "she", "her"),
+]
+_ITEMS = ["apples", "pencils", "marbles", "stickers", "cards", "shells", "books", "stamps", "toys", "coins"]
+_CONTAINERS = [("box", "boxes"), ("bag", "bags"), ("pack", "packs"), ("jar", "jars")]
+_GOODS = [("notebook", "notebooks"), ("pen", "pens"), ("cup", "cups"), ("ball", "balls"), ("hat", "hats")]
+_EXTRAS = ["a bag", "a book", "a toy", "a lamp", "a game"]
+_FOODS = ["cookies", "muffins", "cupcakes", "rolls"]
+_RELATIVES = ["brother", "sister", "cousin", "friend"]
+
+
+def _cap(word: str) -> str:
+    return word[:1].upper() + word[1:]
+
+
+def _op(a: int, op: str, b: int) -> tuple[str, int | None]:
+    """``a op b=<<a op b=v>>v`` and its value v, or None when v is negative, too large or inexact."""
+    if op == "+":
+        value = a + b
+    elif op == "-":
+        value = a - b
+    elif op == "*":
+        value = a * b
+    elif b != 0 and a % b == 0:
+        value = a // b
+    else:
+        return "", None
+    if not 0 <= value <= MAX_VALUE:
+        return "", None
+    expr = f"{a}{op}{b}"
+    return f"{expr}=<<{expr}={value}>>{value}", value
+
+
+def _inventory(rng):
+    (name, he, _), (friend, _, _) = rng.sample(_PEOPLE, 2)
+    item = rng.choice(_ITEMS)
+    count = rng.randint(2, 20)
+    question = [rng.choice([f"{name} has {count} {item}.", f"{name} starts with {count} {item}."])]
+    lines = []
+    for _ in range(rng.randint(2, 3)):
+        action = rng.choice(["buy", "give", "find", "lose"])
+        n = rng.randint(2, 20)
+        op = "+" if action in ("buy", "find") else "-"
+        step, new = _op(count, op, n)
+        if new is None:
+            return None
+        if action == "buy":
+            question.append(f"{_cap(he)} buys {n} more {item}.")
+            lines.append(
+                rng.choice(
+                    [
+                        f"{_cap(he)} buys {n} more, so {he} has {step} {item}.",
+                        f"After buying {n} more, {name} has {step} {item}.",
+                    ]
+                )
+            )
+        elif action == "find":
+            question.append(f"Then {he} finds {n} more.")
+            lines.append(
+                rng.choice(
+                    [
+                        f"{_cap(he)} finds {n} more, so {he} has {step} {item}.",
+                        f"After finding {n} more, {name} has {step} {item}.",
+                    ]
+                )
+            )
+        elif action == "give":
+            question.append(f"{_cap(he)} gives {n} {item} to {friend}.")
+            lines.append(
+                rng.choice(
+                    [
+                        f"{_cap(he)} gives {n} to {friend}, so {he} has {step} {item} left.",
+                        f"After giving {n} away, {name} has {step} {item}.",
+                    ]
+                )
+            )
+        else:
+            question.append(f"{_cap(he)} loses {n} of them.")
+            lines.append(
+                rng.choice(
+                    [
+                        f"{_cap(he)} loses {n}, so {he} has {step} {item} left.",
+                        f"After losing {n}, {name} has {step} {item}.",
+                    ]
+                )
+            )
+        count = new
+    question.append(f"How many {item} does {name} have now?")
+    return question, lines, count
+
+
+def _groups(rng):
+    name, he, _ = rng.choice(_PEOPLE)
+    item = rng.choice(_ITEMS)
+    box, boxes = rng.choice(_CONTAINERS)
+    a, b, c = rng.randint(2, 10), rng.randint(2, 20), rng.randint(2, 20)
+    step1, total = _op(a, "*", b)
+    if total is None:
+        return None
+    question = [f"{name} has {a} {boxes} of {item}.", f"Each {box} holds {b} {item}."]
+    lines = [
+        rng.choice([f"There are {step1} {item} in the {boxes}.", f"{_cap(he)} has {step1} {item} in total."])
+    ]
+    if rng.random() < 0.5:
+        step2, value = _op(total, "-", c)
+        question.append(f"{_cap(he)} gives away {c} {item}.")
+        lines.append(
+            rng.choice(
+                [
+                    f"After giving away {c}, {he} has {step2} {item}.",
+                    f"{_cap(he)} gives away {c}, so {he} has {step2} {item} left.",
+                ]
+            )
+        )
+    else:
+        step2, value = _op(total, "+", c)
+        question.append(f"{_cap(he)} gets {c} more {item} from a friend.")
+        lines.append(
+            rng.choice(
+                [
+                    f"With {c} more, {he} has {step2} {item}.",
+                    f"{_cap(he)} gets {c} more, so {he} has {step2} {item}.",
+                ]
+            )
+        )
+    if value is None:
+        return None
+    if rng.random() < 0.4:
+        divisors = [k for k in range(2, 11) if value % k == 0]
+        if value == 0 or not divisors:
+            return None
+        d = rng.choice(divisors)
+        step3, share = _op(value, "/", d)
+        question.append(f"{_cap(he)} puts them equally into {d} piles.")
+        lines.append(
+            rng.choice([f"Each pile has {step3} {item}.", f"There are {step3} {item} in each pile."])
+        )
+        value = share
+        question.append(f"How many {item} are in each pile?")
+    else:
+        question.append(f"How many {item} does {he} have now?")
+    return question, lines, value
+
+
+def _sharing(rng):
+    (name, he, _), (friend, _, _) = rng.sample(_PEOPLE, 2)
+    item = rng.choice(_ITEMS)
+    k, q = rng.randint(2, 10), rng.randint(2, 20)
+    total = k * q
+    if rng.random() < 0.5:
+        a = rng.randint(2, 20)
+        b = total - a
+        if not 2 <= b <= 20:
+            return None
+        step1, _ = _op(a, "+", b)
+        question = [f"{name} has {a} {item} and gets {b} more from {friend}."]
+        lines = [
+            rng.choice([f"{_cap(he)} has {step1} {item} in total.", f"Together {he} has {step1} {item}."])
+        ]
+    else:
+        packs = [p for p in range(2, 11) if total % p == 0 and 2 <= total // p <= 20]
+        if not packs:
+            return None
+        a = rng.choice(packs)
+        b = total // a
+        step1, _ = _op(a, "*", b)
+        question = [f"{name} buys {a} packs of {item} with {b} {item} in each pack."]
+        lines = [rng.choice([f"{_cap(he)} buys {step1} {item}.", f"{_cap(he)} has {step1} {item} in total."])]
+    step2, share = _op(total, "/", k)
+    question.append(f"{_cap(he)} shares them equally among {k} friends.")
+    lines.append(rng.choice([f"Each friend gets {step2} {item}.", f"So each friend gets {step2} {item}."]))
+    if rng.random() < 0.35:
+        c = rng.randint(1, share - 1)
+        step3, share = _op(share, "-", c)
+        question.append(f"Each friend then uses {c} of them.")
+        lines.append(
+            rng.choice(
+                [
+                    f"Each friend has {step3} {item} left.",
+                    f"After using {c}, each friend has {step3} {item} left.",
+                ]
+            )
+        )
+        question.append(f"How many {item} does each friend have left?")
+    else:
+        question.append(f"How many {item} does each friend get?")
+    return question, lines, share
+
+
+def _prices(rng):
+    name, he, _ = rng.choice(_PEOPLE)
+    _, goods = rng.choice(_GOODS)
+    extra = rng.choice(_EXTRAS)
+    a, b, c = rng.randint(2, 10), rng.randint(2, 20), rng.randint(2, 20)
+    step1, cost = _op(a, "*", b)
+    step2, total = _op(cost, "+", c) if cost is not None else ("", None)
+    if total is None:
+        return None
+    question = [f"{name} buys {a} {goods} for ${b} each and {extra} for ${c}."]
+    lines = [
+        rng.choice([f"The {goods} cost {step1} dollars.", f"{_cap(he)} spends {step1} dollars on {goods}."]),
+        rng.choice(
+            [f"In total {he} spends {step2} dollars.", f"Adding {extra[2:]}, {he} spends {step2} dollars."]
+        ),
+    ]
+    bills = [x for x in (20, 50, 100, 200) if x >= total]
+    if rng.random() < 0.5 and bills:
+        paid = rng.choice(bills)
+        step3, change = _op(paid, "-", total)
+        question.append(f"{_cap(he)} pays with ${paid}. How much change does {he} get?")
+        lines.append(
+            rng.choice([f"{_cap(he)} gets {step3} dollars in change.", f"The change is {step3} dollars."])
+        )
+        return question, lines, change
+    question.append(f"How many dollars does {he} spend?")
+    return question, lines, total
+
+
+def _ages(rng):
+    name, _, his = rng.choice(_PEOPLE)
+    relative = rng.choice(_RELATIVES)
+    age, diff, times = rng.randint(4, 16), rng.randint(2, 9), rng.randint(2, 4)
+    if rng.random() < 0.5:
+        step1, rel_age = _op(age, "+", diff)
+        question = [f"{name} is {age} years old.", f"{_cap(his)} {relative} is {diff} years older."]
+    else:
+        step1, rel_age = _op(age, "-", diff)
+        question = [f"{name} is {age} years old.", f"{_cap(his)} {relative} is {diff} years younger."]
+    if rel_age is None or rel_age < 2:
+        return None
+    step2, uncle = _op(rel_age, "*", times)
+    if uncle is None or uncle > 90:
+        return None
+    question.append(f"Their uncle is {times} times as old as the {relative}.")
+    lines = [
+        rng.choice(
+            [f"The {relative} is {step1} years old.", f"{_cap(his)} {relative} is {step1} years old."]
+        ),
+        rng.choice([f"The uncle is {step2} years old.", f"So the uncle is {step2} years old."]),
+    ]
+    if rng.random() < 0.4:
+        later = rng.randint(2, 10)
+        step3, uncle = _op(uncle, "+", later)
+        question.append(f"How old will the uncle be in {later} years?")
+        lines.append(
+            rng.choice(
+                [f"In {later} years he will be {step3} years old.", f"The uncle will be {step3} years old."]
+            )
+        )
+    else:
+        question.append("How old is the uncle?")
+    return question, lines, uncle
+
+
+def _savings(rng):
+    name, he, his = rng.choice(_PEOPLE)
+    a, b, c = rng.randint(2, 20), rng.randint(2, 10), rng.randint(2, 20)
+    step1, saved = _op(a, "*", b)
+    if saved is None:
+        return None
+    step2, left = _op(saved, "-", c)
+    if left is None:
+        return None
+    thing = rng.choice(_EXTRAS)
+    question = [f"{name} saves ${a} every week for {b} weeks.", f"Then {he} spends ${c} on {thing}."]
+    lines = [
+        rng.choice([f"{_cap(he)} saves {step1} dollars.", f"In {b} weeks {he} saves {step1} dollars."]),
+        rng.choice(
+            [f"{_cap(he)} has {step2} dollars left.", f"After buying {thing[2:]}, {he} has {step2} dollars."]
+        ),
+    ]
+    if rng.random() < 0.4:
+        d = rng.randint(2, 20)
+        step3, left = _op(left, "+", d)
+        if left is None:
+            return None
+        question.append(f"{_cap(his)} grandma gives {name} ${d}.")
+        lines.append(
+            rng.choice([f"Now {he} has {step3} dollars.", f"With the gift, {he} has {step3} dollars."])
+        )
+    question.append(f"How many dollars does {name} have now?")
+    return question, lines, left
+
+
+def _together(rng):
+    (name, _, _), (friend, _, _), (third, _, _) = rng.sample(_PEOPLE, 3)
+    item = rng.choice(_ITEMS)
+    a, b = rng.randint(2, 20), rng.randint(2, 5)
+    if rng.random() < 0.5:
+        step1, other = _op(a, "*", b)
+        relation = f"{b} times as many {item} as {name}"
+    else:
+        b = rng.randint(2, 20)
+        step1, other = _op(a, "+", b)
+        relation = f"{b} more {item} than {name}"
+    if other is None:
+        return None
+    question = [f"{name} has {a} {item}.", f"{friend} has {relation}."]
+    lines = [rng.choice([f"{friend} has {step1} {item}.", f"So {friend} has {step1} {item}."])]
+    if rng.random() < 0.4:
+        c = rng.randint(2, 20)
+        step2, value = _op(other, "-", c)
+        if value is None:
+            return None
+        question.append(f"{third} has {c} fewer {item} than {friend}. How many {item} does {third} have?")
+        lines.append(rng.choice([f"{third} has {step2} {item}.", f"So {third} has {step2} {item}."]))
+    else:
+        step2, value = _op(a, "+", other)
+        if value is None:
+            return None
+        question.append(f"How many {item} do {name} and {friend} have together?")
+        lines.append(
+            rng.choice([f"Together they have {step2} {item}.", f"They have {step2} {item} in total."])
+        )
+    return question, lines, value
+
+
+def _baking(rng):
+    name, he, _ = rng.choice(_PEOPLE)
+    food = rng.choice(_FOODS)
+    trays, per, eaten, bag = rng.randint(2, 10), rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 10)
+    step1, baked = _op(trays, "*", per)
+    if baked is None:
+        return None
+    step2, rest = _op(baked, "-", eaten)
+    if rest is None or rest == 0 or rest % bag:
+        return None
+    step3, bags = _op(rest, "/", bag)
+    question = [
+        f"{name} bakes {trays} trays of {food} with {per} {food} on each tray.",
+        f"{_cap(he)} gives {eaten} {food} to neighbours and puts the rest into bags of {bag}.",
+        f"How many bags does {he} fill?",
+    ]
+    lines = [
+        rng.choice([f"{_cap(he)} bakes {step1} {food}.", f"There are {step1} {food} in total."]),
+        rng.choice(
+            [f"{_cap(he)} has {step2} {food} left.", f"After giving {eaten} away, {step2} {food} are left."]
+        ),
+        rng.choice([f"{_cap(he)} fills {step3} bags.", f"So {he} fills {step3} bags."]),
+    ]
+    return question, lines, bags
+
+
+_TEMPLATES = [_inventory, _groups, _sharing, _prices, _ages, _savings, _together, _baking]
+
+
+def arithmetic_examples(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` GSM8K-style word problems with 2-3 steps, each ``{"question", "solution", "answer"}``.
+
+    Deterministic for a given seed. Drawn operands are 2..20 (a few natural exceptions: bills,
+    ages), every intermediate result is in 0..200 and division is always exact.
+    """
+    rng = random.Random(seed)
+    examples = []
+    while len(examples) < n:
+        template = rng.choice(_TEMPLATES)
+        made = template(rng)
+        if made is None:
+            continue
+        question, lines, answer = made
+        solution = "\n".join([*lines, f"#### {answer}"])
+        examples.append({"question": " ".join(question), "solution": solution, "answer": str(answer)})
+    return examples
+
+
+def make_arithmetic_task(n: int, seed: int = 0, conversational: bool = False) -> datasets.Dataset:
+    """Procedural arithmetic task as a dataset with columns ``prompt``, ``answer``, ``solution``."""
+    return _to_dataset(arithmetic_examples(n, seed), conversational)

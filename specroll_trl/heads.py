@@ -1,0 +1,160 @@
+"""Medusa-style speculative heads (SPEC 2.1).
+
+Head ``k`` (1-based) maps the target's final hidden state ``h_t`` (input of ``lm_head``) to
+``z_k = h_t + SiLU(W_k h_t + b_k)`` (``num_layers`` such residual blocks) and predicts token
+``x_{t+1+k}`` with ``lm_head(z_k)``. The target's ``lm_head`` is shared, never copied, never trained
+here, and the heads live outside the policy module. ``W_k, b_k`` start at zero, so an untrained head
+reproduces the base next-token distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class SpeculativeHeadsConfig:
+    """Shape of a set of heads.
+
+    Args:
+        num_heads: number of heads ``H``; head ``k`` predicts the token ``k`` places after the next one.
+        hidden_size: the target's hidden size (input and output size of every block).
+        vocab_size: rows of the target's ``lm_head``; checked against the model, never stored with heads.
+        num_layers: residual SiLU blocks per head.
+    """
+
+    num_heads: int = 4
+    hidden_size: int = 0
+    vocab_size: int = 0
+    num_layers: int = 1
+
+    def __post_init__(self):
+        for name in ("num_heads", "hidden_size", "vocab_size", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpeculativeHeadsConfig.{name} must be a positive int, got {value!r}")
+
+
+class ResidualSiLUBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with ``W, b`` zero-initialised."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class SpeculativeHeads(nn.Module):
+    """``H`` independent residual heads over a shared, external ``lm_head``."""
+
+    def __init__(self, config: SpeculativeHeadsConfig):
+        super().__init__()
+        self.config = config
+        self.heads = nn.ModuleList(
+            nn.Sequential(*(ResidualSiLUBlock(config.hidden_size) for _ in range(config.num_layers)))
+            for _ in range(config.num_heads)
+        )
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @classmethod
+    def from_model(cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1) -> "SpeculativeHeads":
+        """Zero-initialised heads sized for ``model`` (a HF causal LM), on its device and dtype."""
+        lm_head = lm_head_of(model)
+        config = SpeculativeHeadsConfig(
+            num_heads=num_heads,
+            hidden_size=lm_head.weight.shape[1],
+            vocab_size=lm_head.weight.shape[0],
+            num_layers=num_layers,
+        )
+        return cls(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+
+    def check_compatible(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` naming the mismatch if these heads cannot run on ``model``."""
+        vocab, hidden = lm_head_of(model).weight.shape
+        if hidden != self.config.hidden_size:
+            raise ValueError(
+                f"heads expect hidden size {self.config.hidden_size} but the model's lm_head takes {hidden}"
+            )
+        if vocab != self.config.vocab_size:
+            raise ValueError(
+                f"heads were built for vocab size {self.config.vocab_size} but the model's lm_head has {vocab}"
+            )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [..., D]`` -> per-head hidden states ``z [..., H, D]``."""
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """``hidden [..., D]`` -> head logits ``[..., H, V]`` through the shared ``lm_head``."""
+        return lm_head(self(hidden))
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        (path / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | os.PathLike, device: torch.device | str | None = None, dtype=None
+    ) -> "SpeculativeHeads":
+        """Load heads saved by :meth:`save_pretrained`; refuses missing, truncated or foreign files."""
+        path = Path(directory)
+        if not path.is_dir():
+            raise FileNotFoundError(f"heads folder {str(path)!r} does not exist")
+        config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+        for f in (config_file, weights_file):
+            if not f.is_file():
+                raise FileNotFoundError(f"heads folder {str(path)!r} has no {f.name}")
+        try:
+            raw = json.loads(config_file.read_text())
+            config = SpeculativeHeadsConfig(**{k: raw[k] for k in asdict(SpeculativeHeadsConfig()) if k in raw})
+        except (json.JSONDecodeError, TypeError, KeyError) as err:
+            raise ValueError(f"{config_file} is not a valid heads config: {err}") from err
+        try:
+            state = load_file(str(weights_file))
+        except Exception as err:  # safetensors raises its own error types for truncated/foreign files
+            raise ValueError(f"{weights_file} is not a readable safetensors file: {err}") from err
+        heads = cls(config)
+        expected = heads.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{weights_file} does not match its config: missing {missing}, unexpected {unexpected}")
+        for name, tensor in state.items():
+            if tensor.shape != expected[name].shape:
+                raise ValueError(
+                    f"{weights_file}: {name} has shape {tuple(tensor.shape)}, config implies "
+                    f"{tuple(expected[name].shape)}"
+                )
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"{weights_file}: {name} contains NaN or inf")
+        heads.load_state_dict(state)
+        return heads.to(device=device, dtype=dtype)
+
+
+def lm_head_of(model: nn.Module) -> nn.Module:
+    """The model's output projection, shared by every head."""
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if lm_head is None or not hasattr(lm_head, "weight") or lm_head.weight.dim() != 2:
+        raise ValueError(f"{type(model).__name__} has no linear output embedding (lm_head) to share with heads")
+    return lm_head

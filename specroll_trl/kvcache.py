@@ -1,0 +1,88 @@
+"""Ragged KV cache over a Hugging Face ``DynamicCache`` (SPEC 2.4).
+
+Rows accept different numbers of tokens per step. After verification each row's accepted tree entries
+are gathered to sit right after the physical end of the cache; rows that accepted fewer carry masked
+holes. ``valid [B, S]`` says which physical slots hold a row's committed tokens; positions are always
+logical (``lengths``), never physical. Holes are squeezed out when they grow, and finished rows leave.
+Only the public ``keys``/``values`` tensors of each cache layer are touched.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class RaggedCache:
+    """A ``DynamicCache`` plus per-row slot validity and logical lengths."""
+
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, lengths: torch.Tensor, compact_ratio: float = 0.25):
+        self.cache = cache
+        self.valid = valid  # [B, S] bool
+        self.lengths = lengths  # [B] logical tokens in cache per row
+        self.compact_ratio = compact_ratio
+
+    @property
+    def physical_length(self) -> int:
+        return self.valid.shape[1]
+
+    def _apply(self, fn) -> None:
+        for layer in self.cache.layers:
+            layer.keys = fn(layer.keys)
+            layer.values = fn(layer.values)
+
+    def tree_attention_mask(self, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive 4D mask ``[B, 1, n, S + n]``: valid past slots of the row + the node's tree ancestors."""
+        batch, n, _ = ancestors.shape
+        allowed = torch.cat([self.valid[:, None, :].expand(batch, n, -1), ancestors], dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[:, None]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the current batch), then drop leading all-hole columns."""
+        self._apply(lambda t: t.index_select(0, rows))
+        self.valid = self.valid.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        self._trim_leading()
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """After a tree forward appended ``n`` slots, keep each row's accepted ones, in path order.
+
+        ``accepted [B, A]``: tree node indices (``-1`` = nothing, becomes a hole).
+        """
+        past = self.physical_length
+        width = int((accepted >= 0).sum(1).max())
+        accepted = accepted[:, :width]
+        index = accepted.clamp(min=0)
+
+        def gather(t):
+            idx = index[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3])
+            return torch.cat([t[:, :, :past], t[:, :, past:].gather(2, idx)], dim=2)
+
+        self._apply(gather)
+        self.valid = torch.cat([self.valid, accepted >= 0], dim=1)
+        self.lengths = self.lengths + (accepted >= 0).sum(1)
+        holes = self.physical_length - int(self.lengths.max())
+        if holes > self.compact_ratio * self.physical_length:
+            self.compact()
+
+    def compact(self) -> None:
+        """Move every row's valid slots to the right end (order kept) and drop all-hole columns."""
+        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices  # holes first
+
+        def gather(t):
+            return t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], -1, t.shape[3]))
+
+        self._apply(gather)
+        self.valid = self.valid.gather(1, order)
+        self._trim_leading()
+
+    def _trim_leading(self) -> None:
+        used = self.valid.any(0)
+        if used.all() or not used.any():
+            return
+        first = int(used.int().argmax())
+        if first:
+            self._apply(lambda t: t[:, :, first:])
+            self.valid = self.valid[:, first:]

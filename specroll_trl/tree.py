@@ -1,0 +1,132 @@
+"""Sparse, concurrency-aware draft trees (SPEC 2.2).
+
+Candidates at depth ``d`` come from head ``d``'s top-k. Every candidate path up to depth ``H`` is
+enumerated once into a static table; per step and per row, a path's score is the product of its head
+probabilities, and the best ``N_t`` paths are kept. Scores only shrink along a path (strictly, thanks to a
+tiny depth penalty), so the top-``N_t`` set is closed under parent. Node 0 of every tree is the root (the
+token sampled at the end of the previous step).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+
+def node_budget(capacity: int, active_rows: int, max_nodes: int) -> int:
+    """``N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)``: draft nodes per row besides the root."""
+    if active_rows <= 0:
+        return 0
+    return max(0, min(capacity // active_rows - 1, max_nodes))
+
+
+@dataclass
+class PathTable:
+    """All candidate paths of a ``depth x topk`` tree, parents before children.
+
+    ``choice[p, j]`` is the top-k rank chosen at depth ``j+1`` (``-1`` past the path's depth);
+    ``ancestors[p, q]`` is true when path ``q`` is a prefix of path ``p`` (itself included).
+    """
+
+    depth: torch.Tensor  # [P] in 1..H
+    parent: torch.Tensor  # [P] path index, -1 for depth-1 paths (their parent is the root)
+    choice: torch.Tensor  # [P, H]
+    ancestors: torch.Tensor  # [P, P] bool
+
+    @classmethod
+    def build(cls, depth: int, topk: int, max_paths: int = 4096) -> "PathTable":
+        paths: list[tuple[int, ...]] = []
+        for d in range(1, depth + 1):
+            paths.extend(itertools.product(range(topk), repeat=d))
+            if len(paths) > max_paths:
+                raise ValueError(
+                    f"a tree of depth {depth} with top-{topk} per head has over {max_paths} candidate paths; "
+                    "lower spec top-k or the number of heads"
+                )
+        index = {p: i for i, p in enumerate(paths)}
+        choice = torch.full((len(paths), depth), -1, dtype=torch.long)
+        parent = torch.full((len(paths),), -1, dtype=torch.long)
+        ancestors = torch.zeros((len(paths), len(paths)), dtype=torch.bool)
+        for i, p in enumerate(paths):
+            choice[i, : len(p)] = torch.tensor(p)
+            if len(p) > 1:
+                parent[i] = index[p[:-1]]
+            for d in range(1, len(p) + 1):
+                ancestors[i, index[p[:d]]] = True
+        depths = torch.tensor([len(p) for p in paths], dtype=torch.long)
+        return cls(depths, parent, choice, ancestors)
+
+    def to(self, device) -> "PathTable":
+        return PathTable(*(t.to(device) for t in (self.depth, self.parent, self.choice, self.ancestors)))
+
+
+@dataclass
+class DraftTree:
+    """Per-row trees of ``1 + N`` nodes (node 0 = root), parents listed before children.
+
+    ``tokens [B, 1+N]``, ``depth [B, 1+N]``, ``parent [B, 1+N]`` (node index, -1 for the root),
+    ``ancestors [B, 1+N, 1+N]`` (node ``i`` may attend to node ``j``), and ``path_tokens [B, 1+N, H+1]``
+    (tokens from the root down to the node, right-padded with the root token).
+    """
+
+    tokens: torch.Tensor
+    depth: torch.Tensor
+    parent: torch.Tensor
+    ancestors: torch.Tensor
+    path_tokens: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+def select_tree(root: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor, table: PathTable,
+                num_nodes: int) -> DraftTree:
+    """Best-first sparse tree per row.
+
+    Args:
+        root: ``[B]`` root tokens.
+        topk_ids / topk_logp: ``[B, H, K]`` each head's top-k tokens and their log-probabilities.
+        table: the static path table for ``(H, K)``.
+        num_nodes: draft nodes per row besides the root.
+    """
+    batch, num_heads, _ = topk_ids.shape
+    device = root.device
+    if num_nodes == 0:
+        empty = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        return DraftTree(root[:, None], empty, empty - 1, torch.ones((batch, 1, 1), dtype=torch.bool, device=device),
+                         root[:, None, None].expand(batch, 1, num_heads + 1).clone())
+    num_nodes = min(num_nodes, table.depth.numel())
+    on_path = table.choice >= 0  # [P, H]
+    rank = table.choice.clamp(min=0)
+    head = torch.arange(num_heads, device=device)
+    # [B, P, H]: log-prob of the path's choice at each depth, 0 past its depth
+    step_logp = topk_logp[:, head[None, :], rank] * on_path
+    step_tok = topk_ids[:, head[None, :], rank]
+    score = step_logp.sum(-1) - 1e-6 * table.depth  # strict decrease along a path
+    picked = score.topk(num_nodes, dim=-1).indices  # [B, N], parents precede children (higher score)
+    picked_sorted, _ = picked.sort(dim=-1)  # table order also lists parents first; keeps trees canonical
+    path_len = table.depth[picked_sorted]  # [B, N]
+
+    tokens = torch.cat([root[:, None], step_tok.gather(1, picked_sorted[..., None].expand(-1, -1, num_heads))
+                        .gather(2, (path_len - 1)[..., None]).squeeze(-1)], dim=1)
+    # node index of each picked path's parent inside this row's tree (0 = root)
+    lookup = torch.zeros((batch, table.depth.numel()), dtype=torch.long, device=device)
+    lookup.scatter_(1, picked_sorted, torch.arange(1, num_nodes + 1, device=device).expand(batch, -1))
+    parent_path = table.parent[picked_sorted]
+    parent = torch.where(parent_path >= 0, lookup.gather(1, parent_path.clamp(min=0)), 0)
+    parent = torch.cat([torch.full((batch, 1), -1, device=device, dtype=torch.long), parent], dim=1)
+
+    anc = torch.zeros((batch, num_nodes + 1, num_nodes + 1), dtype=torch.bool, device=device)
+    anc[:, :, 0] = True
+    sub = table.ancestors[picked_sorted[:, :, None], picked_sorted[:, None, :]]  # [B, N, N]
+    anc[:, 1:, 1:] = sub
+    depth = torch.cat([torch.zeros((batch, 1), dtype=torch.long, device=device), path_len], dim=1)
+
+    picked_tok = step_tok.gather(1, picked_sorted[..., None].expand(-1, -1, num_heads))  # [B, N, H]
+    picked_tok = torch.where(on_path[picked_sorted], picked_tok, root[:, None, None])
+    path_tokens = torch.cat([root[:, None, None].expand(batch, num_nodes, 1), picked_tok], dim=2)
+    root_path = root[:, None, None].expand(batch, 1, num_heads + 1)
+    return DraftTree(tokens, depth, parent, anc, torch.cat([root_path, path_tokens], dim=1))

@@ -1,0 +1,121 @@
+"""Lossless sample-then-match verification (SPEC 2.3).
+
+For every tree node ``v`` the target distribution ``p_v`` is built with Hugging Face's own logits
+processors, exactly as ``model.generate`` builds them for the same ``GenerationConfig`` (fp32; input ids =
+prompt + committed completion + path to ``v``). One sample ``y_v ~ p_v`` is drawn per node; starting at
+the root we descend into the child whose token equals ``y_v`` and stop at the first node without one,
+emitting its ``y_v``. Children of a node are distinct tokens fixed before sampling, so the accepted path
+is unique and every emitted token is distributed exactly as the target would sample it. The head's own
+probabilities never enter the acceptance decision.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from .tree import DraftTree
+
+# Processors whose output depends only on the scores and on the *set* of tokens in input_ids, so a
+# path-dependent, filler-padded input_ids reproduces generate's behaviour exactly.
+SUPPORTED_PROCESSORS = (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+
+
+class TargetDistribution:
+    """The target's per-node sampling distribution, built from ``model.generate``'s own processors."""
+
+    def __init__(self, model, generation_config: GenerationConfig, prompt_attention_mask: torch.Tensor):
+        # generate() first merges the model's own generation config and library defaults (e.g. top_k=50)
+        generation_config, _ = model._prepare_generation_config(generation_config)
+        model._prepare_special_tokens(generation_config, kwargs_has_attention_mask=True,
+                                      device=prompt_attention_mask.device)
+        self.generation_config = generation_config
+        self.do_sample = bool(generation_config.do_sample)
+        self.temperature = float(generation_config.temperature or 1.0)
+        self.processors: LogitsProcessorList = model._get_logits_processor(
+            generation_config,
+            input_ids_seq_length=prompt_attention_mask.shape[1],
+            device=prompt_attention_mask.device,
+            model_kwargs={"attention_mask": prompt_attention_mask},
+        )
+        unsupported = [type(p).__name__ for p in self.processors if not isinstance(p, SUPPORTED_PROCESSORS)]
+        if unsupported:
+            raise ValueError(
+                f"generation config needs logits processors the speculative engine cannot reproduce per tree "
+                f"node: {unsupported}. Supported: {[c.__name__ for c in SUPPORTED_PROCESSORS]}"
+            )
+        self.repetition = [p for p in self.processors if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+
+    @property
+    def needs_input_ids(self) -> bool:
+        return bool(self.repetition)
+
+    def scores(self, logits: torch.Tensor, input_ids: torch.Tensor | None, ignore_prefix: torch.Tensor | None):
+        """Processed fp32 scores for ``logits [N, V]``; ``input_ids [N, L]`` whose first ``ignore_prefix[n]``
+        positions are padding (only read when a processor needs input ids)."""
+        scores = logits.float()
+        if input_ids is None:
+            input_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+        for proc in self.repetition:
+            proc.prompt_ignore_length = ignore_prefix
+        return self.processors(input_ids, scores)
+
+    def sample(self, scores: torch.Tensor) -> torch.Tensor:
+        """One token per row of processed ``scores [N, V]`` (argmax when not sampling)."""
+        if not self.do_sample:
+            return scores.argmax(-1)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1).squeeze(-1)
+
+    def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """What TRL recomputes: ``log_softmax(logits / T)`` in fp32."""
+        return torch.log_softmax(logits.float() / self.temperature, dim=-1)
+
+
+def match_tree(tree: DraftTree, sampled: torch.Tensor) -> torch.Tensor:
+    """Walk each row's tree along the target's samples.
+
+    Args:
+        tree: the draft trees (``tokens``/``parent`` ``[B, n]``).
+        sampled: ``[B, n]``, the target's sample ``y_v`` at every node.
+
+    Returns:
+        ``[B, D+1]`` node indices of the accepted path from the root (``-1`` past its end); the row emits
+        the tokens of accepted nodes after the root, then ``sampled`` at the last accepted node.
+    """
+    batch = tree.tokens.shape[0]
+    max_depth = int(tree.depth.max())
+    current = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)
+    alive = torch.ones(batch, dtype=torch.bool, device=tree.tokens.device)
+    path = [current]
+    for _ in range(max_depth):
+        wanted = sampled.gather(1, current[:, None])
+        hit = (tree.parent == current[:, None]) & (tree.tokens == wanted)
+        alive = alive & hit.any(-1)
+        current = torch.where(alive, hit.int().argmax(-1), current)
+        path.append(torch.where(alive, current, -1))
+    return torch.stack(path, dim=1)

@@ -1,0 +1,275 @@
+"""Offline policy zoo: small Qwen2 policies trained by our own SFT, cached as ordinary HF folders.
+
+Nothing here touches a model hub. A preset fixes the tokenizer size, architecture, task and training
+steps; ``load_policy("tiny")`` builds it once under ``$SPECROLL_HOME/zoo/<preset>`` (default
+``~/.cache/specroll_trl``) and afterwards loads it with ``AutoModelForCausalLM.from_pretrained``. Any
+HF causal LM folder can stand in for a preset.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .data import arithmetic_examples, format_prompt, load_gsm8k
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ZOO_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PolicyPreset:
+    """Everything that determines a zoo policy (the cache key is ``name`` + ``ZOO_VERSION``).
+
+    Args:
+        name: preset name, also the cache folder name.
+        task: ``"arithmetic"`` (procedural multi-step word problems, GSM8K format) or ``"gsm8k"``.
+        vocab_size: BPE vocabulary size including special tokens.
+        hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: Qwen2 shape.
+        train_examples: SFT examples generated (arithmetic) or taken (gsm8k).
+        steps / batch_size / lr: SFT optimisation.
+        max_position_embeddings: context length written into the config.
+        seed: seeds data generation, initialisation and batching.
+    """
+
+    name: str
+    task: str = "arithmetic"
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    train_examples: int = 60000
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-3
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+
+PRESETS: dict[str, PolicyPreset] = {
+    "nano": PolicyPreset(
+        name="nano", vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=192, train_examples=20000, steps=500, batch_size=32, lr=4e-3,
+    ),
+    "tiny": PolicyPreset(
+        name="tiny", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        intermediate_size=384, train_examples=80000, steps=1500, batch_size=32, lr=3e-3,
+    ),
+    "tiny-gsm8k": PolicyPreset(
+        name="tiny-gsm8k", task="gsm8k", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, intermediate_size=384, train_examples=7473, steps=1500, batch_size=16, lr=3e-3,
+    ),
+}
+DEFAULT_PRESET = "tiny"
+
+
+def zoo_home() -> Path:
+    """Root of the local cache (``$SPECROLL_HOME`` or ``~/.cache/specroll_trl``)."""
+    return Path(os.environ.get("SPECROLL_HOME", Path.home() / ".cache" / "specroll_trl")).expanduser()
+
+
+def policy_dir(preset: str) -> Path:
+    return zoo_home() / "zoo" / f"{preset}-v{ZOO_VERSION}"
+
+
+def task_examples(task: str, n: int, seed: int, split: str = "train") -> list[dict]:
+    """``n`` examples (question, solution, answer) of a task; ``split="test"`` gives held-out ones."""
+    if task == "arithmetic":
+        return arithmetic_examples(n, seed=seed if split == "train" else seed + 10_000)
+    if task == "gsm8k":
+        rows = load_gsm8k(split)
+        return [rows[i] | {"question": rows[i]["question"]} for i in range(min(n, len(rows)))]
+    raise ValueError(f"unknown task {task!r}: expected 'arithmetic' or 'gsm8k'")
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE with eos, pad and chat tokens, wrapped as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [EOS_TOKEN, PAD_TOKEN, *CHAT_TOKENS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, chat_template=CHAT_TEMPLATE,
+        padding_side="left", model_max_length=4096,
+    )
+
+
+def _encode_examples(tokenizer, examples: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids + eos); prompt and completion tokenised apart, as TRL does."""
+    prompts = tokenizer([format_prompt(e["question"]) for e in examples], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([e["solution"] for e in examples], add_special_tokens=False)["input_ids"]
+    return [(p, c + [tokenizer.eos_token_id]) for p, c in zip(prompts, completions)]
+
+
+def _batch(pairs, pad_id: int):
+    length = max(len(p) + len(c) for p, c in pairs)
+    ids = torch.full((len(pairs), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(pairs), length), -100, dtype=torch.long)
+    mask = torch.zeros((len(pairs), length), dtype=torch.long)
+    for i, (p, c) in enumerate(pairs):
+        seq = torch.tensor(p + c)
+        ids[i, : len(seq)] = seq
+        labels[i, len(p) : len(seq)] = seq[len(p) :]
+        mask[i, : len(seq)] = 1
+    return ids, mask, labels
+
+
+def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
+    """Train (tokenizer + SFT) and cache a zoo policy; returns its folder. Cached builds are reused."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    spec = PRESETS[preset] if isinstance(preset, str) else preset
+    if isinstance(preset, str) and preset not in PRESETS:
+        raise ValueError(f"unknown zoo preset {preset!r}; available: {sorted(PRESETS)}")
+    out = policy_dir(spec.name)
+    if (out / "build_info.json").is_file() and not force:
+        return out
+    start = time.time()
+    random.seed(spec.seed)
+    torch.manual_seed(spec.seed)
+    examples = task_examples(spec.task, spec.train_examples, spec.seed)
+    texts = [format_prompt(e["question"]) + " " + e["solution"] for e in examples]
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    pairs = _encode_examples(tokenizer, examples)
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0,
+    )
+    model = Qwen2ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, spec.steps // 20)
+
+    def lr_at(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, spec.steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    rng = random.Random(spec.seed)
+    model.train()
+    bar = tqdm(range(spec.steps), desc=f"SFT {spec.name} ({n_params / 1e6:.2f}M params)", disable=not progress)
+    for _ in bar:
+        ids, mask, labels = _batch(rng.sample(pairs, spec.batch_size), tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])],
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+    )
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    info = {
+        "preset": asdict(spec), "zoo_version": ZOO_VERSION, "parameters": n_params,
+        "build_seconds": round(time.time() - start, 1), "final_train_loss": round(loss.item(), 4),
+    }
+    (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+def resolve_policy(name_or_path: str, progress: bool = True) -> Path:
+    """A preset name (built on first use) or an existing HF model folder."""
+    if name_or_path in PRESETS:
+        return build_policy(name_or_path, progress=progress)
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{name_or_path!r} is neither a zoo preset ({sorted(PRESETS)}) nor a folder with a config.json"
+        )
+    return path
+
+
+def load_policy(name_or_path: str = DEFAULT_PRESET, progress: bool = True, dtype=torch.float32):
+    """``(model, tokenizer)`` for a preset or a local HF folder; the model is in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_policy(name_or_path, progress=progress)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, tokenizer
+
+
+@torch.no_grad()
+def evaluate_policy(model, tokenizer, examples: list[dict], temperature: float = 1.0, max_new_tokens: int = 160,
+                    batch_size: int = 32, seed: int = 0) -> dict:
+    """Held-out loss of gold solutions, mean per-token entropy of sampled completions, and accuracy."""
+    from .rewards import correctness_reward
+
+    pad = tokenizer.pad_token_id
+    pairs = _encode_examples(tokenizer, examples)
+    nll, n_tok = 0.0, 0
+    for i in range(0, len(pairs), batch_size):
+        ids, mask, labels = _batch(pairs[i : i + batch_size], pad)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        target = labels[:, 1:]
+        nll += torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="sum").item()
+        n_tok += int((target != -100).sum())
+
+    torch.manual_seed(seed)
+    entropy_sum, entropy_tokens, correct = 0.0, 0, 0
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        enc = tokenizer([format_prompt(e["question"]) for e in chunk], return_tensors="pt", padding=True,
+                        add_special_tokens=False)
+        out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True)
+        completion = out.sequences[:, enc["input_ids"].shape[1]:]
+        alive = torch.ones(len(chunk), dtype=torch.bool)
+        for step, scores in enumerate(out.scores):
+            logp = torch.log_softmax(scores.float(), dim=-1)
+            ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+            entropy_sum += ent[alive].sum().item()
+            entropy_tokens += int(alive.sum())
+            alive &= ~torch.tensor([int(t) in eos for t in completion[:, step]])
+        texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
+        correct += sum(correctness_reward(texts, [e["answer"] for e in chunk]))
+    return {
+        "heldout_loss": nll / max(1, n_tok),
+        "entropy": entropy_sum / max(1, entropy_tokens),
+        "accuracy": correct / max(1, len(examples)),
+        "temperature": temperature,
+        "num_prompts": len(examples),
+    }

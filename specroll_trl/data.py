@@ -21,6 +21,7 @@ __all__ = [
     "arithmetic_examples",
     "extract_final_answer",
     "format_prompt",
+    "gsm8k_examples",
     "load_gsm8k",
     "make_arithmetic_task",
 ]
@@ -61,10 +62,8 @@ def _to_dataset(examples: list[dict], conversational: bool) -> datasets.Dataset:
     )
 
 
-def load_gsm8k(
-    split: str = "train", conversational: bool = False, limit: int | None = None
-) -> datasets.Dataset:
-    """Bundled GSM8K (MIT licence) as a ``datasets.Dataset``; ``limit`` keeps the first rows."""
+def gsm8k_examples(split: str = "train", limit: int | None = None) -> list[dict[str, str]]:
+    """Bundled GSM8K rows as dicts with ``question``, ``solution`` and ``answer``."""
     if split not in GSM8K_SPLITS:
         raise ValueError(f"Unknown GSM8K split {split!r}; expected one of {GSM8K_SPLITS}.")
     examples = []
@@ -79,7 +78,14 @@ def load_gsm8k(
             if answer is None:
                 raise ValueError(f"GSM8K {split} row {len(examples)} has no '####' final answer.")
             examples.append({"question": row["question"], "solution": row["answer"], "answer": answer})
-    return _to_dataset(examples, conversational)
+    return examples
+
+
+def load_gsm8k(
+    split: str = "train", conversational: bool = False, limit: int | None = None
+) -> datasets.Dataset:
+    """Bundled GSM8K (MIT licence) as a ``datasets.Dataset``; ``limit`` keeps the first rows."""
+    return _to_dataset(gsm8k_examples(split, limit), conversational)
 
 
 # Procedural multi-step arithmetic word problems.

@@ -22,7 +22,7 @@ from transformers import DynamicCache, GenerationConfig
 from .heads import SpeculativeHeads, lm_head_of
 from .kvcache import RaggedCache
 from .tree import PathTable, node_budget, select_tree
-from .verify import TargetDistribution, match_tree
+from .verify import TargetDistribution, expected_accepted, match_tree
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class SpeculativeGenerator:
         logits = out.logits[:, -1]
         hidden = out.hidden_states[-1][:, -1]
         self._check_finite(logits, 0, torch.arange(batch, device=device))
-        root = target.sample(target.scores(logits, input_ids, pad_len))
+        root, _ = target.sample(target.scores(logits, input_ids, pad_len))
 
         completion = torch.zeros((batch, max_new), dtype=torch.long, device=device)
         completion[:, 0] = root
@@ -227,7 +227,8 @@ class SpeculativeGenerator:
         kv = RaggedCache(cache, attention_mask.bool(), attention_mask.long().sum(1), self.config.compact_ratio)
 
         stats = {"forwards": 1, "row_forwards": batch, "tokens": batch, "nodes_per_row": [], "active_rows": [],
-                 "accepted_at_depth": [0] * self.heads.num_heads, "drafted_row_steps": 0}
+                 "accepted_at_depth": [0] * self.heads.num_heads, "drafted_row_steps": 0,
+                 "accepted": 0, "expected_accepted": 0.0}
         alive = ~torch.isin(root, eos) & (done_len < max_new)
         keep = alive.nonzero().squeeze(1)
         rows, root, hidden = rows[keep], root[keep], hidden[keep]
@@ -261,9 +262,12 @@ class SpeculativeGenerator:
             if target.needs_input_ids:
                 node_ids, ignore = self._node_input_ids(input_ids, completion, rows, done_len, root, tree, pad_len)
             scores = target.scores(node_logits.reshape(active * n, -1), node_ids, ignore)
-            sampled = target.sample(scores).view(active, n)
+            sampled, probs = target.sample(scores)
+            sampled = sampled.view(active, n)
             accepted = match_tree(tree, sampled)  # [B, D+1], root first
             num_acc = (accepted >= 0).sum(1)
+            stats["expected_accepted"] += float(expected_accepted(tree, probs.view(active, n, -1)).sum())
+            stats["accepted"] += int((num_acc - 1).sum())
             last = accepted.gather(1, (num_acc - 1)[:, None]).squeeze(1)
             new_root = sampled.gather(1, last[:, None]).squeeze(1)
 

@@ -84,16 +84,31 @@ class TargetDistribution:
             proc.prompt_ignore_length = ignore_prefix
         return self.processors(input_ids, scores)
 
-    def sample(self, scores: torch.Tensor) -> torch.Tensor:
-        """One token per row of processed ``scores [N, V]`` (argmax when not sampling)."""
+    def sample(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of processed ``scores [N, V]`` (argmax when not sampling), and ``p`` itself."""
         if not self.do_sample:
-            return scores.argmax(-1)
+            tokens = scores.argmax(-1)
+            return tokens, torch.nn.functional.one_hot(tokens, scores.shape[-1]).float()
         probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1).squeeze(-1)
+        return torch.multinomial(probs, 1).squeeze(-1), probs
 
     def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """What TRL recomputes: ``log_softmax(logits / T)`` in fp32."""
         return torch.log_softmax(logits.float() / self.temperature, dim=-1)
+
+
+def expected_accepted(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
+    """``[B]``: expected number of accepted draft nodes, ``sum_v P(path to v)``, under the target ``probs [B, n, V]``.
+
+    The sample-then-match walk accepts node ``v`` exactly when every edge on its path matches, so this is
+    the expectation of the realised accepted length; a lossy or biased verifier drifts away from it.
+    """
+    edge = probs.gather(1, tree.parent.clamp(min=0)[..., None].expand(-1, -1, probs.shape[-1]))
+    edge = edge.gather(2, tree.tokens[..., None]).squeeze(2)  # p_parent(v)(token_v), [B, n]
+    log_edge = edge.clamp(min=1e-30).log()
+    log_edge[:, 0] = 0.0  # the root is always committed
+    log_path = torch.bmm(tree.ancestors.float(), log_edge[..., None]).squeeze(-1)
+    return log_path[:, 1:].exp().sum(1)
 
 
 def match_tree(tree: DraftTree, sampled: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import arithmetic_examples, format_prompt, load_gsm8k
+from .data import arithmetic_examples, format_prompt, gsm8k_examples
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -65,12 +65,12 @@ class PolicyPreset:
 
 PRESETS: dict[str, PolicyPreset] = {
     "nano": PolicyPreset(
-        name="nano", vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        name="nano", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         intermediate_size=192, train_examples=20000, steps=500, batch_size=32, lr=4e-3,
     ),
     "tiny": PolicyPreset(
-        name="tiny", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-        intermediate_size=384, train_examples=80000, steps=1500, batch_size=32, lr=3e-3,
+        name="tiny", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        intermediate_size=384, train_examples=80000, steps=1400, batch_size=32, lr=3e-3,
     ),
     "tiny-gsm8k": PolicyPreset(
         name="tiny-gsm8k", task="gsm8k", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4,
@@ -94,18 +94,28 @@ def task_examples(task: str, n: int, seed: int, split: str = "train") -> list[di
     if task == "arithmetic":
         return arithmetic_examples(n, seed=seed if split == "train" else seed + 10_000)
     if task == "gsm8k":
-        rows = load_gsm8k(split)
-        return [rows[i] | {"question": rows[i]["question"]} for i in range(min(n, len(rows)))]
+        return gsm8k_examples(split, limit=n)
     raise ValueError(f"unknown task {task!r}: expected 'arithmetic' or 'gsm8k'")
 
 
+# Qwen2's pre-tokenisation (digits split one by one): AutoTokenizer rebuilds a Qwen2 folder's tokenizer with
+# it, so training with anything else would make the reloaded tokenizer disagree with the trained model.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE with eos, pad and chat tokens, wrapped as a ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE (Qwen2 pre-tokenisation) with eos, pad and chat tokens, as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     specials = [EOS_TOKEN, PAD_TOKEN, *CHAT_TOKENS]
     trainer = trainers.BpeTrainer(
@@ -122,7 +132,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 def _encode_examples(tokenizer, examples: list[dict]) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids + eos); prompt and completion tokenised apart, as TRL does."""
     prompts = tokenizer([format_prompt(e["question"]) for e in examples], add_special_tokens=False)["input_ids"]
-    completions = tokenizer([e["solution"] for e in examples], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([" " + e["solution"] for e in examples], add_special_tokens=False)["input_ids"]
     return [(p, c + [tokenizer.eos_token_id]) for p, c in zip(prompts, completions)]
 
 
@@ -141,7 +151,7 @@ def _batch(pairs, pad_id: int):
 
 def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
     """Train (tokenizer + SFT) and cache a zoo policy; returns its folder. Cached builds are reused."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     spec = PRESETS[preset] if isinstance(preset, str) else preset
     if isinstance(preset, str) and preset not in PRESETS:
@@ -154,7 +164,11 @@ def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = Fals
     torch.manual_seed(spec.seed)
     examples = task_examples(spec.task, spec.train_examples, spec.seed)
     texts = [format_prompt(e["question"]) + " " + e["solution"] for e in examples]
-    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # Train on exactly what users will load: a reloaded tokenizer can merge differently from the in-memory one.
+    train_tokenizer(texts, spec.vocab_size).save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
     pairs = _encode_examples(tokenizer, examples)
 
     config = Qwen2Config(
@@ -189,14 +203,11 @@ def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = Fals
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])],
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
     )
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     info = {
         "preset": asdict(spec), "zoo_version": ZOO_VERSION, "parameters": n_params,
         "build_seconds": round(time.time() - start, 1), "final_train_loss": round(loss.item(), 4),
@@ -205,6 +216,9 @@ def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = Fals
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
+    reloaded = AutoTokenizer.from_pretrained(out)
+    if _encode_examples(reloaded, examples[:64]) != pairs[:64]:
+        raise RuntimeError(f"the tokenizer saved in {out} does not reproduce the training tokenisation")
     return out
 
 
@@ -273,3 +287,51 @@ def evaluate_policy(model, tokenizer, examples: list[dict], temperature: float =
         "temperature": temperature,
         "num_prompts": len(examples),
     }
+
+
+def heads_dir(preset: str) -> Path:
+    return policy_dir(preset) / "spec_heads"
+
+
+def preset_distill_config(preset: str):
+    """Head self-distillation settings for a zoo preset (smaller for ``nano`` so tests stay quick)."""
+    from .distill import HeadDistillConfig
+
+    if preset == "nano":
+        return HeadDistillConfig(num_samples=320, max_new_tokens=128, steps=300, batch_size=512)
+    return HeadDistillConfig(num_samples=768, max_new_tokens=192, steps=800, batch_size=1024)
+
+
+def task_prompt_ids(tokenizer, task: str, n: int, seed: int) -> list[list[int]]:
+    """Tokenised standard-form prompts of a task (no special tokens, unpadded)."""
+    examples = task_examples(task, n, seed)
+    return tokenizer([format_prompt(e["question"]) for e in examples], add_special_tokens=False)["input_ids"]
+
+
+def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
+    """Distil (once) and cache speculative heads for a zoo preset; returns their folder."""
+    from .distill import distill_heads
+
+    out = heads_dir(preset)
+    if (out / "distill_report.json").is_file() and not force:
+        return out
+    model, tokenizer = load_policy(preset, progress=progress)
+    spec = PRESETS[preset]
+    config = preset_distill_config(preset)
+    prompts = task_prompt_ids(tokenizer, spec.task, config.num_samples, seed=spec.seed + 20_000)
+    heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config, progress=progress)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    heads.save_pretrained(tmp)
+    report["hit_rates"] = [{str(k): v for k, v in rates.items()} for rates in report["hit_rates"]]
+    (tmp / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def load_heads(preset: str = DEFAULT_PRESET, progress: bool = True):
+    """Cached distilled heads of a zoo preset (built on first use)."""
+    from .heads import SpeculativeHeads
+
+    return SpeculativeHeads.from_pretrained(build_heads(preset, progress=progress))

@@ -1,0 +1,53 @@
+"""Shared fixtures: random-init small Qwen2 models (instant) and the `nano` zoo policy with heads (built once)."""
+
+import os
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+def make_model(vocab: int = 32, hidden: int = 32, layers: int = 2, seed: int = 0, eos: int = 1, pad: int = 0,
+               attn: str = "sdpa", scale: float = 1.0) -> Qwen2ForCausalLM:
+    """A random-init Qwen2 (fp32, eval); ``scale`` sharpens its next-token distributions."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos,
+        pad_token_id=pad, tie_word_embeddings=False, attn_implementation=attn,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    return model
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def cut_after_eos(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
+    return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+
+
+@pytest.fixture(scope="session")
+def specroll_home(tmp_path_factory):
+    """The zoo cache: $SPECROLL_HOME if set (reuse across runs), else a per-session folder."""
+    home = os.environ.get("SPECROLL_HOME") or str(tmp_path_factory.mktemp("specroll_home"))
+    os.environ["SPECROLL_HOME"] = home
+    return home
+
+
+@pytest.fixture(scope="session")
+def nano(specroll_home):
+    """``(model, tokenizer, heads)`` of the nano zoo policy with distilled heads."""
+    from specroll_trl import zoo
+
+    model, tokenizer = zoo.load_policy("nano", progress=False)
+    heads = zoo.load_heads("nano", progress=False)
+    return model, tokenizer, heads

@@ -1,0 +1,430 @@
+"""The speculative engine: greedy identity with `generate`, exact sampling distribution, tree forward,
+ragged cache, node budget, and clear errors."""
+
+import logging
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import DynamicCache, GenerationConfig
+
+from specroll_trl import engine as engine_mod
+from specroll_trl.engine import SpeculativeGenerator, check_model_supported
+from specroll_trl.heads import SpeculativeHeads
+from specroll_trl.kvcache import RaggedCache
+from specroll_trl.tree import PathTable, node_budget, select_tree
+from specroll_trl.zoo import task_prompt_ids
+
+from .conftest import cut_after_eos, left_padded, make_model
+
+
+def noisy_heads(model, num_heads=4, std=0.5, seed=0):
+    heads = SpeculativeHeads.from_model(model, num_heads)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, std)
+    return heads
+
+
+def generate_reference(model, ids, mask, gc):
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)[:, ids.shape[1]:].tolist()
+    eos = gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id]
+    return cut_after_eos(out, set(eos))
+
+
+# --------------------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.parametrize("batch_size,num_prompts", [(1, 50), (3, 60), (16, 64)])
+def test_greedy_equals_generate_with_trained_heads(nano, batch_size, num_prompts):
+    model, tokenizer, heads = nano
+    prompts = task_prompt_ids(tokenizer, "arithmetic", num_prompts, seed=777)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=48, eos_token_id=model.generation_config.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    eng = SpeculativeGenerator(model, heads, gc, capacity=256, max_nodes=8)
+    taus = []
+    for i in range(0, num_prompts, batch_size):
+        ids, mask = left_padded(prompts[i : i + batch_size], tokenizer.pad_token_id)
+        out = eng.generate(ids, mask)
+        assert out.completion_ids == generate_reference(model, ids, mask, gc)
+        taus.append(out.stats["tau"])
+    assert sum(taus) / len(taus) > 1.8  # the distilled heads really do get accepted
+
+
+def test_greedy_equals_generate_with_useless_heads(nano):
+    model, tokenizer, _ = nano
+    heads = noisy_heads(model, std=3.0)
+    prompts = task_prompt_ids(tokenizer, "arithmetic", 48, seed=778)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=40, eos_token_id=model.generation_config.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    eng = SpeculativeGenerator(model, heads, gc, capacity=256, max_nodes=8)
+    for i in range(0, 48, 16):
+        ids, mask = left_padded(prompts[i : i + 16], tokenizer.pad_token_id)
+        out = eng.generate(ids, mask)
+        assert out.completion_ids == generate_reference(model, ids, mask, gc)
+        assert out.stats["tau"] < 1.3
+
+
+def test_greedy_random_model_eos_list_and_pad_equals_eos():
+    model = make_model(vocab=40, scale=4.0, seed=3, eos=1, pad=1)
+    heads = noisy_heads(model, std=0.3)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12], [2], [7, 7, 7, 7, 7, 7, 7]]
+    ids, mask = left_padded(prompts, pad=1)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=[1, 2], pad_token_id=1,
+                          repetition_penalty=1.3)
+    out = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=6).generate(ids, mask)
+    assert out.completion_ids == generate_reference(model, ids, mask, gc)
+    for row in out.completion_ids:
+        assert all(t not in (1, 2) for t in row[:-1])
+
+
+# --------------------------------------------------------------------------- exact sampling distribution
+
+PROMPTS = [[2, 3, 4], [5, 2]]
+LENGTH = 3
+
+
+def exact_completion_distribution(model, prompt, gc):
+    """P(completion) for every completion of up to LENGTH tokens, from generate's own processed scores."""
+    eos = set(gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id])
+    dist = {(): 1.0}
+    frontier = [()]
+    result = {}
+    for _ in range(LENGTH):
+        ids = torch.tensor([prompt + list(p) for p in frontier])
+        one = GenerationConfig(**{**gc.to_dict(), "max_new_tokens": 1})
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=one,
+                             output_scores=True, return_dict_in_generate=True)
+        probs = torch.softmax(out.scores[0].double(), -1)
+        nxt = []
+        for prefix, p in zip(frontier, probs):
+            for tok in range(p.shape[0]):
+                if p[tok] == 0:
+                    continue
+                seq = prefix + (tok,)
+                dist[seq] = dist[prefix] * float(p[tok])
+                if tok in eos or len(seq) == LENGTH:
+                    result[seq] = dist[seq]
+                else:
+                    nxt.append(seq)
+        frontier = nxt
+    return result
+
+
+def engine_samples(model, heads, gc, n_per_prompt, seed):
+    prompts = [p for p in PROMPTS for _ in range(n_per_prompt)]
+    ids, mask = left_padded(prompts)
+    torch.manual_seed(seed)
+    eng = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=7, topk_per_head=2)
+    out = eng.generate(ids, mask)
+    return [out.completion_ids[i * n_per_prompt : (i + 1) * n_per_prompt] for i in range(len(PROMPTS))], out.stats
+
+
+def chi_square_pvalue(samples, exact):
+    counts = {}
+    for s in samples:
+        counts[tuple(s)] = counts.get(tuple(s), 0) + 1
+    assert set(counts) <= set(exact), "engine produced a completion the target gives zero probability"
+    n = len(samples)
+    keys = sorted(exact, key=lambda k: -exact[k])
+    observed, expected, pool_o, pool_e = [], [], 0, 0.0
+    for k in keys:
+        e = exact[k] * n
+        if e >= 5:
+            observed.append(counts.get(k, 0))
+            expected.append(e)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += e
+    if pool_e > 0:
+        observed.append(pool_o)
+        expected.append(pool_e)
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+SAMPLING_SETTINGS = {
+    "t1.0": dict(temperature=1.0, top_k=0),
+    "t0.7-topk3": dict(temperature=0.7, top_k=3),
+    "t1.0-topp0.8": dict(temperature=1.0, top_k=0, top_p=0.8),
+    "t0.7-minp-rep": dict(temperature=0.7, top_k=0, min_p=0.15, repetition_penalty=1.5),
+    "t1.0-rep-topk-topp": dict(temperature=1.0, repetition_penalty=1.3, top_k=4, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING_SETTINGS))
+def test_sampling_distribution_is_exact(name):
+    model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
+    heads = noisy_heads(model, std=0.4, seed=1)
+    gc = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0,
+                          **SAMPLING_SETTINGS[name])
+    samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5)
+    assert stats["accepted"] > 0.2 * stats["row_forwards"]  # drafts were really accepted
+    for prompt, rows in zip(PROMPTS, samples):
+        exact = exact_completion_distribution(model, prompt, gc)
+        assert abs(sum(exact.values()) - 1) < 1e-9
+        assert chi_square_pvalue(rows, exact) > 1e-3
+
+
+def lossy_match(tree, sampled):
+    """A biased verifier: always accepts the first child of the root, whatever the target sampled."""
+    path = engine_mod_match(tree, sampled)
+    first_child = (tree.parent == 0).int().argmax(1)
+    has_child = (tree.parent == 0).any(1)
+    forced = torch.where(has_child, first_child, path[:, 1])
+    path[:, 1] = forced
+    path[:, 2:] = torch.where(has_child[:, None], -1, path[:, 2:])
+    return path
+
+
+engine_mod_match = engine_mod.match_tree
+
+
+def test_chi_square_detects_a_biased_verifier(monkeypatch):
+    model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
+    heads = noisy_heads(model, std=0.4, seed=1)
+    gc = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0, temperature=1.0,
+                          top_k=0)
+    monkeypatch.setattr(engine_mod, "match_tree", lossy_match)
+    samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5)
+    exact = exact_completion_distribution(model, PROMPTS[0], gc)
+    counts_ok = all(tuple(s) in exact for s in samples[0])
+    assert not counts_ok or chi_square_pvalue(samples[0], exact) < 1e-6
+    assert stats["accepted"] > 1.2 * stats["expected_accepted"]
+
+
+def test_mean_accepted_length_matches_tree_path_probability(nano):
+    model, tokenizer, heads = nano
+    prompts = task_prompt_ids(tokenizer, "arithmetic", 96, seed=779)
+    ids, mask = left_padded(prompts, tokenizer.pad_token_id)
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=96,
+                          eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    stats = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=10).generate(ids, mask).stats
+    accepted, expected = stats["accepted"], stats["expected_accepted"]
+    assert expected > 500
+    # accepted counts per row-step are bounded by the depth (4): the sum's std is below 2*sqrt(row steps)
+    assert abs(accepted - expected) < 4 * 2 * stats["row_forwards"] ** 0.5
+
+
+# --------------------------------------------------------------------------- tree forward and ragged cache
+
+
+def test_tree_forward_logits_equal_incremental_decoding():
+    model = make_model(vocab=50, seed=4)
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    ids, mask = left_padded(prompts)
+    cache = DynamicCache(config=model.config)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    root = out.logits[:, -1].argmax(-1)
+    kv = RaggedCache(cache, mask.bool(), mask.sum(1))
+    torch.manual_seed(0)
+    topk_logp, topk_ids = torch.randn(3, 4, 50).log_softmax(-1).topk(3, dim=-1)
+    tree = select_tree(root, topk_ids, topk_logp, PathTable.build(4, 3), num_nodes=12)
+    logits = model(input_ids=tree.tokens, position_ids=kv.lengths[:, None] + tree.depth,
+                   attention_mask=kv.tree_attention_mask(tree.ancestors, torch.float32), cache=kv.cache,
+                   use_cache=True).logits
+    for b, prompt in enumerate(prompts):
+        for v in range(tree.size):
+            path = [int(tree.path_tokens[b, v, d]) for d in range(int(tree.depth[b, v]) + 1)]
+            ref = model(input_ids=torch.tensor([prompt + path])).logits[0, -1]
+            torch.testing.assert_close(logits[b, v], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tree_is_closed_under_parent_and_best_first():
+    torch.manual_seed(1)
+    topk_logp, topk_ids = torch.randn(5, 4, 30).log_softmax(-1).topk(4, dim=-1)
+    table = PathTable.build(4, 4)
+    tree = select_tree(torch.arange(5), topk_ids, topk_logp, table, num_nodes=20)
+    for b in range(5):
+        for v in range(1, tree.size):
+            parent = int(tree.parent[b, v])
+            assert 0 <= parent < v and int(tree.depth[b, parent]) == int(tree.depth[b, v]) - 1
+        siblings = {}
+        for v in range(1, tree.size):
+            siblings.setdefault(int(tree.parent[b, v]), []).append(int(tree.tokens[b, v]))
+        assert all(len(s) == len(set(s)) for s in siblings.values())  # children are distinct tokens
+    # with one node per row the tree is each head-1 argmax
+    single = select_tree(torch.arange(5), topk_ids, topk_logp, table, num_nodes=1)
+    assert torch.equal(single.tokens[:, 1], topk_ids[:, 0, 0])
+
+
+def test_ragged_cache_after_many_steps_equals_fresh_prefill():
+    model = make_model(vocab=50, seed=6)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]]
+    ids, mask = left_padded(prompts)
+    cache = DynamicCache(config=model.config)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    kv = RaggedCache(cache, mask.bool(), mask.sum(1), compact_ratio=0.05)
+    committed = [list(p) for p in prompts]
+    rows = list(range(4))
+    table = PathTable.build(3, 3)
+    compactions = 0
+    for step in range(40):
+        batch = len(rows)
+        root = torch.randint(2, 50, (batch,), generator=gen)
+        topk_logp, topk_ids = torch.randn(batch, 3, 50, generator=gen).log_softmax(-1).topk(3, dim=-1)
+        tree = select_tree(root, topk_ids, topk_logp, table, num_nodes=int(torch.randint(0, 8, (1,), generator=gen)))
+        model(input_ids=tree.tokens, position_ids=kv.lengths[:, None] + tree.depth,
+              attention_mask=kv.tree_attention_mask(tree.ancestors, torch.float32), cache=kv.cache, use_cache=True)
+        # a random accepted path per row: walk random children
+        paths = []
+        for b in range(batch):
+            path, node = [0], 0
+            while True:
+                children = [v for v in range(tree.size) if int(tree.parent[b, v]) == node]
+                if not children or torch.rand(1, generator=gen) < 0.3:
+                    break
+                node = children[int(torch.randint(len(children), (1,), generator=gen))]
+                path.append(node)
+            paths.append(path)
+            committed[rows[b]] += [int(tree.tokens[b, v]) for v in path]
+        width = max(map(len, paths))
+        accepted = torch.tensor([p + [-1] * (width - len(p)) for p in paths])
+        before = kv.physical_length
+        kv.commit(accepted)
+        compactions += kv.physical_length < before + width
+        if step == 25:  # a row finishes and leaves
+            keep = torch.tensor([0, 2, 3])
+            kv.keep_rows(keep)
+            rows = [rows[i] for i in keep.tolist()]
+    assert compactions > 0
+    assert torch.equal(kv.lengths, torch.tensor([len(committed[r]) for r in rows]))
+    probe = torch.tensor([[20]] * len(rows))
+    logits = model(input_ids=probe, position_ids=kv.lengths[:, None],
+                   attention_mask=kv.tree_attention_mask(torch.ones(len(rows), 1, 1, dtype=torch.bool),
+                                                         torch.float32),
+                   cache=kv.cache, use_cache=True).logits[:, -1]
+    for b, r in enumerate(rows):
+        ref = model(input_ids=torch.tensor([committed[r] + [20]])).logits[0, -1]
+        torch.testing.assert_close(logits[b], ref, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- budget, errors, fallback
+
+
+def test_node_budget_formula():
+    assert node_budget(64, 8, 16) == 7
+    assert node_budget(64, 64, 16) == 0
+    assert node_budget(64, 100, 16) == 0
+    assert node_budget(1000, 2, 16) == 16
+    assert [node_budget(96, b, 32) for b in (32, 16, 8, 4, 2, 1)] == [2, 5, 11, 23, 32, 32]
+
+
+def test_node_budget_grows_as_rows_finish_and_respects_capacity():
+    model = make_model(vocab=40, scale=3.0, seed=2)
+    heads = noisy_heads(model, std=0.2)
+    torch.manual_seed(0)
+    prompts = [[int(x) for x in torch.randint(2, 40, (int(n),))] for n in torch.randint(1, 8, (16,))]
+    ids, mask = left_padded(prompts)
+    gc = GenerationConfig(do_sample=True, max_new_tokens=40, eos_token_id=1, pad_token_id=0, top_k=0)
+    stats = SpeculativeGenerator(model, heads, gc, capacity=48, max_nodes=12).generate(ids, mask).stats
+    active, nodes = stats["active_rows"], stats["nodes_per_row"]
+    assert active[0] == 16 and active[-1] < 16
+    for a, n in zip(active, nodes):
+        assert n == node_budget(48, a, 12)
+        assert n == 0 or a * (n + 1) <= 48
+    assert all(n1 <= n2 for n1, n2 in zip(nodes, nodes[1:]))
+
+
+def test_unsupported_models_are_detected():
+    model = make_model()
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        check_model_supported(model)
+    model = make_model()
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="sliding"):
+        SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), model.generation_config)
+
+
+def test_fallback_to_generate_is_logged_and_exact(caplog):
+    model = make_model(vocab=40, scale=3.0)
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    gc = GenerationConfig(do_sample=False, max_new_tokens=10, eos_token_id=1, pad_token_id=0)
+    with caplog.at_level(logging.WARNING):
+        eng = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), gc, fallback_to_generate=True)
+    assert "falls back" in caplog.text
+    model.config.layer_types = ["full_attention", "full_attention"]
+    ids, mask = left_padded([[4, 5, 6], [7]])
+    out = eng.generate(ids, mask)
+    assert out.stats["fallback"] is True
+    assert out.completion_ids == generate_reference(model, ids, mask, gc)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(topk_per_head=0), "topk_per_head"),
+        (dict(max_nodes=-1), "max_nodes"),
+        (dict(capacity=0), "capacity"),
+    ],
+)
+def test_invalid_engine_options(kwargs, match):
+    model = make_model()
+    with pytest.raises(ValueError, match=match):
+        SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), model.generation_config, **kwargs)
+
+
+def test_bad_inputs_are_refused():
+    model = make_model()
+    eng = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
+                               GenerationConfig(max_new_tokens=5, eos_token_id=1, pad_token_id=0), capacity=8)
+    with pytest.raises(ValueError, match="non-empty"):
+        eng.generate(torch.zeros((0, 3), dtype=torch.long))
+    with pytest.raises(ValueError, match="left-padded"):
+        eng.generate(torch.tensor([[3, 4, 0]]), torch.tensor([[1, 1, 0]]))
+    with pytest.raises(ValueError, match="context"):
+        eng.generate(torch.tensor([[3] * 10]), max_new_tokens=600)
+    other = make_model(vocab=64)
+    with pytest.raises(ValueError, match="vocab"):
+        SpeculativeGenerator(model, SpeculativeHeads.from_model(other, 2))
+    with pytest.raises(ValueError, match="processors"):
+        SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
+                             GenerationConfig(do_sample=True, no_repeat_ngram_size=2, max_new_tokens=4,
+                                              eos_token_id=1)).generate(torch.tensor([[3, 4]]))
+
+
+def test_nan_logits_name_step_and_row():
+    model = make_model()
+    eng = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
+                               GenerationConfig(max_new_tokens=5, eos_token_id=1, pad_token_id=0), capacity=8)
+    with torch.no_grad():
+        model.lm_head.weight[3] = float("nan")
+    with pytest.raises(FloatingPointError, match="step 0"):
+        eng.generate(torch.tensor([[3, 4], [5, 6]]))
+
+
+def test_logprobs_are_target_log_softmax_over_temperature(nano):
+    model, tokenizer, heads = nano
+    prompts = task_prompt_ids(tokenizer, "arithmetic", 4, seed=780)
+    ids, mask = left_padded(prompts, tokenizer.pad_token_id)
+    gc = GenerationConfig(do_sample=True, temperature=0.8, top_k=0, max_new_tokens=24,
+                          eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = SpeculativeGenerator(model, heads, gc, capacity=256, return_logprobs=True).generate(ids, mask)
+    for b, (prompt, completion) in enumerate(zip(prompts, out.completion_ids)):
+        full = torch.tensor([prompt + completion])
+        ref = torch.log_softmax(model(input_ids=full).logits[0, len(prompt) - 1 : -1] / 0.8, -1)
+        ref = ref.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(out.logprobs[b]), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_all_batch_rows_lengths_and_limits():
+    model = make_model(vocab=30, scale=2.0)
+    heads = noisy_heads(model, std=0.2)
+    prompts = [[int(x) for x in torch.randint(2, 30, (int(n),))] for n in torch.randint(1, 6, (40,))]
+    ids, mask = left_padded(prompts)
+    gc = GenerationConfig(do_sample=True, max_new_tokens=17, eos_token_id=[1, 5], pad_token_id=0, top_k=0)
+    out = SpeculativeGenerator(model, heads, gc, capacity=200).generate(ids, mask)
+    assert len(out.completion_ids) == 40
+    for row in out.completion_ids:
+        assert 1 <= len(row) <= 17
+        assert all(0 <= t < 30 for t in row)
+        assert all(t not in (1, 5) for t in row[:-1])
+        assert len(row) == 17 or row[-1] in (1, 5)
+    assert {"tau", "forwards", "seconds", "accept_per_head", "nodes_per_row", "active_rows"} <= set(out.stats)
+

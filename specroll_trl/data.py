@@ -91,6 +91,25 @@ def load_gsm8k(
 # Procedural multi-step arithmetic word problems.
 
 MAX_VALUE = 200
+# Share of "hard" problems (operands up to 60, values up to 999): mixing difficulty keeps a small policy's
+# accuracy and per-token entropy in a realistic range instead of all-or-nothing.
+HARD_SHARE = 0.35
+HARD_MAX_OPERAND, HARD_MAX_VALUE = 60, 999
+_OPENERS = [
+    "", "", "", "Let's solve it step by step.", "We work it out one step at a time.",
+    "First, let's see what we know.", "Let's think about it.", "We can solve this in steps.",
+]
+_CLOSERS = ["", "", "The answer is {a}.", "So the final answer is {a}.", "That means the answer is {a}."]
+
+
+class _ProblemRng(random.Random):
+    """``random.Random`` that also knows the current problem's operand and value limits."""
+
+    max_operand = 20
+    max_value = MAX_VALUE
+
+    def operand(self) -> int:
+        return self.randint(2, self.max_operand)
 
 _PEOPLE = [
     ("Tom", "he", "his"),
@@ -118,7 +137,7 @@ def _cap(word: str) -> str:
     return word[:1].upper() + word[1:]
 
 
-def _op(a: int, op: str, b: int) -> tuple[str, int | None]:
+def _op(rng: _ProblemRng, a: int, op: str, b: int) -> tuple[str, int | None]:
     """``a op b=<<a op b=v>>v`` and its value v, or None when v is negative, too large or inexact."""
     if op == "+":
         value = a + b
@@ -130,7 +149,7 @@ def _op(a: int, op: str, b: int) -> tuple[str, int | None]:
         value = a // b
     else:
         return "", None
-    if not 0 <= value <= MAX_VALUE:
+    if not 0 <= value <= rng.max_value:
         return "", None
     expr = f"{a}{op}{b}"
     return f"{expr}=<<{expr}={value}>>{value}", value
@@ -139,14 +158,14 @@ def _op(a: int, op: str, b: int) -> tuple[str, int | None]:
 def _inventory(rng):
     (name, he, _), (friend, _, _) = rng.sample(_PEOPLE, 2)
     item = rng.choice(_ITEMS)
-    count = rng.randint(2, 20)
+    count = rng.operand()
     question = [rng.choice([f"{name} has {count} {item}.", f"{name} starts with {count} {item}."])]
     lines = []
     for _ in range(rng.randint(2, 3)):
         action = rng.choice(["buy", "give", "find", "lose"])
-        n = rng.randint(2, 20)
+        n = rng.operand()
         op = "+" if action in ("buy", "find") else "-"
-        step, new = _op(count, op, n)
+        step, new = _op(rng, count, op, n)
         if new is None:
             return None
         if action == "buy":
@@ -198,8 +217,8 @@ def _groups(rng):
     name, he, _ = rng.choice(_PEOPLE)
     item = rng.choice(_ITEMS)
     box, boxes = rng.choice(_CONTAINERS)
-    a, b, c = rng.randint(2, 10), rng.randint(2, 20), rng.randint(2, 20)
-    step1, total = _op(a, "*", b)
+    a, b, c = rng.randint(2, 10), rng.operand(), rng.operand()
+    step1, total = _op(rng, a, "*", b)
     if total is None:
         return None
     question = [f"{name} has {a} {boxes} of {item}.", f"Each {box} holds {b} {item}."]
@@ -207,7 +226,7 @@ def _groups(rng):
         rng.choice([f"There are {step1} {item} in the {boxes}.", f"{_cap(he)} has {step1} {item} in total."])
     ]
     if rng.random() < 0.5:
-        step2, value = _op(total, "-", c)
+        step2, value = _op(rng, total, "-", c)
         question.append(f"{_cap(he)} gives away {c} {item}.")
         lines.append(
             rng.choice(
@@ -218,7 +237,7 @@ def _groups(rng):
             )
         )
     else:
-        step2, value = _op(total, "+", c)
+        step2, value = _op(rng, total, "+", c)
         question.append(f"{_cap(he)} gets {c} more {item} from a friend.")
         lines.append(
             rng.choice(
@@ -235,7 +254,7 @@ def _groups(rng):
         if value == 0 or not divisors:
             return None
         d = rng.choice(divisors)
-        step3, share = _op(value, "/", d)
+        step3, share = _op(rng, value, "/", d)
         question.append(f"{_cap(he)} puts them equally into {d} piles.")
         lines.append(
             rng.choice([f"Each pile has {step3} {item}.", f"There are {step3} {item} in each pile."])
@@ -250,14 +269,14 @@ def _groups(rng):
 def _sharing(rng):
     (name, he, _), (friend, _, _) = rng.sample(_PEOPLE, 2)
     item = rng.choice(_ITEMS)
-    k, q = rng.randint(2, 10), rng.randint(2, 20)
+    k, q = rng.randint(2, 10), rng.operand()
     total = k * q
     if rng.random() < 0.5:
-        a = rng.randint(2, 20)
+        a = rng.operand()
         b = total - a
         if not 2 <= b <= 20:
             return None
-        step1, _ = _op(a, "+", b)
+        step1, _ = _op(rng, a, "+", b)
         question = [f"{name} has {a} {item} and gets {b} more from {friend}."]
         lines = [
             rng.choice([f"{_cap(he)} has {step1} {item} in total.", f"Together {he} has {step1} {item}."])
@@ -268,15 +287,15 @@ def _sharing(rng):
             return None
         a = rng.choice(packs)
         b = total // a
-        step1, _ = _op(a, "*", b)
+        step1, _ = _op(rng, a, "*", b)
         question = [f"{name} buys {a} packs of {item} with {b} {item} in each pack."]
         lines = [rng.choice([f"{_cap(he)} buys {step1} {item}.", f"{_cap(he)} has {step1} {item} in total."])]
-    step2, share = _op(total, "/", k)
+    step2, share = _op(rng, total, "/", k)
     question.append(f"{_cap(he)} shares them equally among {k} friends.")
     lines.append(rng.choice([f"Each friend gets {step2} {item}.", f"So each friend gets {step2} {item}."]))
     if rng.random() < 0.35:
         c = rng.randint(1, share - 1)
-        step3, share = _op(share, "-", c)
+        step3, share = _op(rng, share, "-", c)
         question.append(f"Each friend then uses {c} of them.")
         lines.append(
             rng.choice(
@@ -296,9 +315,9 @@ def _prices(rng):
     name, he, _ = rng.choice(_PEOPLE)
     _, goods = rng.choice(_GOODS)
     extra = rng.choice(_EXTRAS)
-    a, b, c = rng.randint(2, 10), rng.randint(2, 20), rng.randint(2, 20)
-    step1, cost = _op(a, "*", b)
-    step2, total = _op(cost, "+", c) if cost is not None else ("", None)
+    a, b, c = rng.randint(2, 10), rng.operand(), rng.operand()
+    step1, cost = _op(rng, a, "*", b)
+    step2, total = _op(rng, cost, "+", c) if cost is not None else ("", None)
     if total is None:
         return None
     question = [f"{name} buys {a} {goods} for ${b} each and {extra} for ${c}."]
@@ -311,7 +330,7 @@ def _prices(rng):
     bills = [x for x in (20, 50, 100, 200) if x >= total]
     if rng.random() < 0.5 and bills:
         paid = rng.choice(bills)
-        step3, change = _op(paid, "-", total)
+        step3, change = _op(rng, paid, "-", total)
         question.append(f"{_cap(he)} pays with ${paid}. How much change does {he} get?")
         lines.append(
             rng.choice([f"{_cap(he)} gets {step3} dollars in change.", f"The change is {step3} dollars."])
@@ -326,14 +345,14 @@ def _ages(rng):
     relative = rng.choice(_RELATIVES)
     age, diff, times = rng.randint(4, 16), rng.randint(2, 9), rng.randint(2, 4)
     if rng.random() < 0.5:
-        step1, rel_age = _op(age, "+", diff)
+        step1, rel_age = _op(rng, age, "+", diff)
         question = [f"{name} is {age} years old.", f"{_cap(his)} {relative} is {diff} years older."]
     else:
-        step1, rel_age = _op(age, "-", diff)
+        step1, rel_age = _op(rng, age, "-", diff)
         question = [f"{name} is {age} years old.", f"{_cap(his)} {relative} is {diff} years younger."]
     if rel_age is None or rel_age < 2:
         return None
-    step2, uncle = _op(rel_age, "*", times)
+    step2, uncle = _op(rng, rel_age, "*", times)
     if uncle is None or uncle > 90:
         return None
     question.append(f"Their uncle is {times} times as old as the {relative}.")
@@ -345,7 +364,7 @@ def _ages(rng):
     ]
     if rng.random() < 0.4:
         later = rng.randint(2, 10)
-        step3, uncle = _op(uncle, "+", later)
+        step3, uncle = _op(rng, uncle, "+", later)
         question.append(f"How old will the uncle be in {later} years?")
         lines.append(
             rng.choice(
@@ -359,11 +378,11 @@ def _ages(rng):
 
 def _savings(rng):
     name, he, his = rng.choice(_PEOPLE)
-    a, b, c = rng.randint(2, 20), rng.randint(2, 10), rng.randint(2, 20)
-    step1, saved = _op(a, "*", b)
+    a, b, c = rng.operand(), rng.randint(2, 10), rng.operand()
+    step1, saved = _op(rng, a, "*", b)
     if saved is None:
         return None
-    step2, left = _op(saved, "-", c)
+    step2, left = _op(rng, saved, "-", c)
     if left is None:
         return None
     thing = rng.choice(_EXTRAS)
@@ -375,8 +394,8 @@ def _savings(rng):
         ),
     ]
     if rng.random() < 0.4:
-        d = rng.randint(2, 20)
-        step3, left = _op(left, "+", d)
+        d = rng.operand()
+        step3, left = _op(rng, left, "+", d)
         if left is None:
             return None
         question.append(f"{_cap(his)} grandma gives {name} ${d}.")
@@ -390,27 +409,27 @@ def _savings(rng):
 def _together(rng):
     (name, _, _), (friend, _, _), (third, _, _) = rng.sample(_PEOPLE, 3)
     item = rng.choice(_ITEMS)
-    a, b = rng.randint(2, 20), rng.randint(2, 5)
+    a, b = rng.operand(), rng.randint(2, 5)
     if rng.random() < 0.5:
-        step1, other = _op(a, "*", b)
+        step1, other = _op(rng, a, "*", b)
         relation = f"{b} times as many {item} as {name}"
     else:
-        b = rng.randint(2, 20)
-        step1, other = _op(a, "+", b)
+        b = rng.operand()
+        step1, other = _op(rng, a, "+", b)
         relation = f"{b} more {item} than {name}"
     if other is None:
         return None
     question = [f"{name} has {a} {item}.", f"{friend} has {relation}."]
     lines = [rng.choice([f"{friend} has {step1} {item}.", f"So {friend} has {step1} {item}."])]
     if rng.random() < 0.4:
-        c = rng.randint(2, 20)
-        step2, value = _op(other, "-", c)
+        c = rng.operand()
+        step2, value = _op(rng, other, "-", c)
         if value is None:
             return None
         question.append(f"{third} has {c} fewer {item} than {friend}. How many {item} does {third} have?")
         lines.append(rng.choice([f"{third} has {step2} {item}.", f"So {third} has {step2} {item}."]))
     else:
-        step2, value = _op(a, "+", other)
+        step2, value = _op(rng, a, "+", other)
         if value is None:
             return None
         question.append(f"How many {item} do {name} and {friend} have together?")
@@ -423,14 +442,14 @@ def _together(rng):
 def _baking(rng):
     name, he, _ = rng.choice(_PEOPLE)
     food = rng.choice(_FOODS)
-    trays, per, eaten, bag = rng.randint(2, 10), rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 10)
-    step1, baked = _op(trays, "*", per)
+    trays, per, eaten, bag = rng.randint(2, 10), rng.operand(), rng.operand(), rng.randint(2, 10)
+    step1, baked = _op(rng, trays, "*", per)
     if baked is None:
         return None
-    step2, rest = _op(baked, "-", eaten)
+    step2, rest = _op(rng, baked, "-", eaten)
     if rest is None or rest == 0 or rest % bag:
         return None
-    step3, bags = _op(rest, "/", bag)
+    step3, bags = _op(rng, rest, "/", bag)
     question = [
         f"{name} bakes {trays} trays of {food} with {per} {food} on each tray.",
         f"{_cap(he)} gives {eaten} {food} to neighbours and puts the rest into bags of {bag}.",
@@ -452,18 +471,23 @@ _TEMPLATES = [_inventory, _groups, _sharing, _prices, _ages, _savings, _together
 def arithmetic_examples(n: int, seed: int = 0) -> list[dict[str, str]]:
     """``n`` GSM8K-style word problems with 2-3 steps, each ``{"question", "solution", "answer"}``.
 
-    Deterministic for a given seed. Drawn operands are 2..20 (a few natural exceptions: bills,
-    ages), every intermediate result is in 0..200 and division is always exact.
+    Deterministic for a given seed. Easy problems draw operands in 2..20 with every value in 0..200;
+    a ``HARD_SHARE`` of them go up to 60 and 999. Division is always exact. Solutions may open and close
+    with a short free-text sentence.
     """
-    rng = random.Random(seed)
+    rng = _ProblemRng(seed)
     examples = []
     while len(examples) < n:
+        hard = rng.random() < HARD_SHARE
+        rng.max_operand, rng.max_value = (HARD_MAX_OPERAND, HARD_MAX_VALUE) if hard else (20, MAX_VALUE)
         template = rng.choice(_TEMPLATES)
         made = template(rng)
         if made is None:
             continue
         question, lines, answer = made
-        solution = "\n".join([*lines, f"#### {answer}"])
+        opener, closer = rng.choice(_OPENERS), rng.choice(_CLOSERS).format(a=answer)
+        body = [line for line in (opener, *lines, closer) if line]
+        solution = "\n".join([*body, f"#### {answer}"])
         examples.append({"question": " ".join(question), "solution": solution, "answer": str(answer)})
     return examples
 

@@ -201,7 +201,7 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
         if config.max_seconds is not None and time.time() - start > config.max_seconds:
             break
     heads.eval()
-    return {"steps": steps_done, "seconds": time.time() - start, "final_loss": float(loss)}
+    return {"steps": steps_done, "seconds": time.time() - start, "final_loss": float(loss.detach())}
 
 
 def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config: HeadDistillConfig | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -127,8 +127,8 @@ class SpeculativeHeads(nn.Module):
                 raise FileNotFoundError(f"heads folder {str(path)!r} has no {f.name}")
         try:
             raw = json.loads(config_file.read_text())
-            config = SpeculativeHeadsConfig(**{k: raw[k] for k in asdict(SpeculativeHeadsConfig()) if k in raw})
-        except (json.JSONDecodeError, TypeError, KeyError) as err:
+            config = SpeculativeHeadsConfig(**{f.name: raw[f.name] for f in fields(SpeculativeHeadsConfig) if f.name in raw})
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError) as err:
             raise ValueError(f"{config_file} is not a valid heads config: {err}") from err
         try:
             state = load_file(str(weights_file))

@@ -58,7 +58,8 @@ class RaggedCache:
 
         def gather(t):
             idx = index[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3])
-            return torch.cat([t[:, :, :past], t[:, :, past:].gather(2, idx)], dim=2)
+            t[:, :, past : past + width] = t[:, :, past:].gather(2, idx)
+            return t[:, :, : past + width]  # a view: the next cache update copies anyway
 
         self._apply(gather)
         self.valid = torch.cat([self.valid, accepted >= 0], dim=1)

@@ -70,7 +70,7 @@ PRESETS: dict[str, PolicyPreset] = {
     ),
     "tiny": PolicyPreset(
         name="tiny", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-        intermediate_size=384, train_examples=80000, steps=1400, batch_size=32, lr=3e-3,
+        intermediate_size=384, train_examples=80000, steps=1100, batch_size=32, lr=3e-3,
     ),
     "tiny-gsm8k": PolicyPreset(
         name="tiny-gsm8k", task="gsm8k", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4,
@@ -153,9 +153,9 @@ def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = Fals
     """Train (tokenizer + SFT) and cache a zoo policy; returns its folder. Cached builds are reused."""
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    spec = PRESETS[preset] if isinstance(preset, str) else preset
     if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown zoo preset {preset!r}; available: {sorted(PRESETS)}")
+    spec = PRESETS[preset] if isinstance(preset, str) else preset
     out = policy_dir(spec.name)
     if (out / "build_info.json").is_file() and not force:
         return out

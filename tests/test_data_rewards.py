@@ -104,12 +104,21 @@ def test_procedural_shape(procedural):
         lines = ex["solution"].splitlines()
         assert lines[-1] == f"#### {ex['answer']}"
         annotations = re.findall(r"<<(\d+)([-+*/])(\d+)=(\d+)>>", ex["solution"])
-        assert 2 <= len(annotations) == len(lines) - 1 <= 3
+        step_lines = [line for line in lines if "<<" in line]
+        assert 2 <= len(annotations) == len(step_lines) <= 3
+        assert len(lines) - 1 - len(step_lines) <= 2  # at most an opening and a closing sentence
         for a, op, b, value in annotations:
-            assert 0 <= int(value) <= 200
+            assert 0 <= int(value) <= 999
             if op == "/":
                 assert int(a) % int(b) == 0
         assert annotations[-1][3] == ex["answer"]
+
+
+def test_procedural_mixes_difficulty_and_free_text(procedural):
+    values = [int(v) for ex in procedural for v in re.findall(r"=(\d+)>>", ex["solution"])]
+    assert max(values) > 200 and sum(v <= 200 for v in values) > 0.5 * len(values)
+    openers = sum(ex["solution"].splitlines()[0].count("<<") == 0 for ex in procedural)
+    assert 0.2 * len(procedural) < openers < 0.8 * len(procedural)
 
 
 def test_make_arithmetic_task_columns():

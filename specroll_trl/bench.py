@@ -1,0 +1,146 @@
+"""Generation benchmark: TRL's vanilla ``generate`` call against the speculative engine, side by side.
+
+Runs alternate (vanilla, engine, vanilla, engine, ...) on the same prompts with the same seeds, and
+report medians and their ratio, because timings on shared CPUs are noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from .engine import SpeculativeGenerator
+from .zoo import DEFAULT_PRESET, PRESETS, load_heads, load_policy, task_prompt_ids
+
+
+def trl_generation_config(model, tokenizer, max_new_tokens: int, temperature: float = 1.0) -> GenerationConfig:
+    """The ``GenerationConfig`` TRL 1.16's GRPOTrainer builds with GRPOConfig defaults."""
+    eos = model.generation_config.eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    eos = sorted({tokenizer.eos_token_id, *eos})
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, temperature=temperature, top_p=1.0, top_k=0,
+        min_p=None, repetition_penalty=1.0, cache_implementation=None, disable_compile=True,
+    )
+
+
+def _left_pad(prompts: list[list[int]], pad: int):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _vanilla(model, ids, mask, gc) -> tuple[float, int]:
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    seconds = time.perf_counter() - start
+    eos = set(gc.eos_token_id)
+    tokens = 0
+    for row in out[:, ids.shape[1]:].tolist():
+        tokens += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+    return seconds, tokens
+
+
+def _prompt_lookup(model, ids, mask, gc) -> tuple[float, int]:
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, prompt_lookup_num_tokens=4)
+    seconds = time.perf_counter() - start
+    return seconds, out.shape[1] - ids.shape[1]
+
+
+def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64), repeats: int = 3,
+                     max_new_tokens: int = 192, temperature: float = 1.0, max_nodes: int = 16,
+                     capacity: int | None = None, task: str | None = None, progress: bool = True) -> list[dict]:
+    """One record per (batch size, mode); see SPEC 4 for the fields."""
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_policy(model_name, progress=progress)
+    heads = load_heads(model_name, progress=progress)
+    task = task or (PRESETS[model_name].task if model_name in PRESETS else "arithmetic")
+    gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)
+    modes = {
+        "spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity),
+        "compaction_only": SpeculativeGenerator(model, heads, gc, max_nodes=0, capacity=capacity),
+    }
+    records = []
+    for batch_size in batch_sizes:
+        prompts = task_prompt_ids(tokenizer, task, batch_size, seed=4242 + batch_size)
+        ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
+        wanted = list(modes) + (["assisted_prompt_lookup"] if batch_size == 1 else [])
+        for mode in wanted:
+            vanilla_s, spec_s, taus, heads_acc, spec_tokens = [], [], [], [], []
+            for r in range(repeats):
+                torch.manual_seed(r)
+                v_s, _ = _vanilla(model, ids, mask, gc)
+                vanilla_s.append(v_s)
+                torch.manual_seed(r)
+                if mode == "assisted_prompt_lookup":
+                    s_s, n_tok = _prompt_lookup(model, ids, mask, gc)
+                    taus.append(float("nan"))
+                else:
+                    out = modes[mode].generate(ids, mask)
+                    s_s, n_tok = out.stats["seconds"], sum(map(len, out.completion_ids))
+                    taus.append(out.stats["tau"])
+                    heads_acc.append(out.stats["accept_per_head"])
+                spec_s.append(s_s)
+                spec_tokens.append(n_tok)
+            v_med, s_med = statistics.median(vanilla_s), statistics.median(spec_s)
+            record = {
+                "batch_size": batch_size, "mode": mode, "vanilla_s": v_med, "spec_s": s_med,
+                "speedup": v_med / s_med, "tau": statistics.median(taus) if heads_acc else None,
+                "accept_per_head": [statistics.mean(h[d] for h in heads_acc) for d in range(len(heads_acc[0]))]
+                if heads_acc else [],
+                "tokens_per_s": statistics.median(spec_tokens) / s_med,
+                "repeats": repeats, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "model": model_name,
+            }
+            records.append(record)
+            if progress:
+                print(f"batch {batch_size:>3} {mode:<24} vanilla {v_med:7.2f}s  engine {s_med:7.2f}s  "
+                      f"speedup {record['speedup']:.2f}x  tau {record['tau'] or float('nan'):.2f}", flush=True)
+    return records
+
+
+def write_results(records: list[dict], out: str | Path, plot: bool = True) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=2) + "\n")
+    if plot:
+        plot_generation(records, out.with_suffix(".png"))
+
+
+def plot_generation(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in dict.fromkeys(r["mode"] for r in records):
+        rows = [r for r in records if r["mode"] == mode]
+        ax.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=mode)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (rows generating)")
+    ax.set_ylabel("generation speedup vs vanilla generate")
+    ax.set_title("Speculative rollouts vs TRL's generate (medians)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(records: list[dict]) -> str:
+    lines = [f"{'batch':>5}  {'mode':<24} {'vanilla_s':>9} {'spec_s':>8} {'speedup':>7} {'tau':>5}  accept/head"]
+    for r in records:
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "  -  "
+        acc = " ".join(f"{100 * a:4.0f}%" for a in r["accept_per_head"])
+        lines.append(f"{r['batch_size']:>5}  {r['mode']:<24} {r['vanilla_s']:9.2f} {r['spec_s']:8.2f} "
+                     f"{r['speedup']:6.2f}x {tau:>5}  {acc}")
+    return "\n".join(lines)

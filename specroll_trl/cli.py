@@ -1,0 +1,118 @@
+"""``specroll-trl`` command line: demo, train-heads, bench generation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _demo(args) -> int:
+    from . import zoo
+    from .distill import format_hit_table
+
+    start = time.time()
+    print(f"[1/3] policy '{args.model}' (built once, then cached under {zoo.zoo_home()})", flush=True)
+    model, tokenizer = zoo.load_policy(args.model)
+    info_file = Path(zoo.resolve_policy(args.model)) / "build_info.json"
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    print(f"      {info.get('parameters', sum(p.numel() for p in model.parameters())) / 1e6:.2f}M parameters, "
+          f"built in {info.get('build_seconds', float('nan'))} s", flush=True)
+    print("[2/3] held-out evaluation at temperature 1", flush=True)
+    task = zoo.PRESETS[args.model].task if args.model in zoo.PRESETS else args.task
+    examples = zoo.task_examples(task, args.eval_prompts, seed=0, split="test")
+    metrics = zoo.evaluate_policy(model, tokenizer, examples, temperature=1.0)
+    print(f"      loss {metrics['heldout_loss']:.3f} nats/token, entropy {metrics['entropy']:.3f} nats/token, "
+          f"correct {100 * metrics['accuracy']:.1f}% of {metrics['num_prompts']} prompts", flush=True)
+    print("[3/3] speculative heads (self-distilled on the policy's own samples, cached)", flush=True)
+    heads_path = zoo.build_heads(args.model)
+    report = json.loads((heads_path / "distill_report.json").read_text())
+    rates = [{int(k): v for k, v in r.items()} for r in report["hit_rates"]]
+    print(format_hit_table(rates))
+    print(f"done in {time.time() - start:.0f} s; heads in {heads_path}")
+    return 0
+
+
+def _train_heads(args) -> int:
+    from . import zoo
+    from .distill import HeadDistillConfig, distill_heads, format_hit_table
+
+    model, tokenizer = zoo.load_policy(args.model)
+    config = HeadDistillConfig(
+        num_heads=args.num_heads, num_samples=args.num_samples, steps=args.steps, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, max_seconds=args.max_seconds, seed=args.seed,
+    )
+    prompts = zoo.task_prompt_ids(tokenizer, args.task, config.num_samples, seed=args.seed + 20_000)
+    heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config)
+    out = Path(args.out)
+    heads.save_pretrained(out)
+    report["hit_rates"] = [{str(k): v for k, v in r.items()} for r in report["hit_rates"]]
+    (out / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(format_hit_table([{int(k): v for k, v in r.items()} for r in report["hit_rates"]]))
+    print(f"heads saved to {out}")
+    return 0
+
+
+def _bench(args) -> int:
+    from .bench import bench_generation, format_table, write_results
+
+    if args.quick:
+        records = bench_generation(args.model, batch_sizes=(1, 8, 32), repeats=1, max_new_tokens=96,
+                                   max_nodes=args.max_nodes, capacity=args.capacity)
+    else:
+        records = bench_generation(args.model, batch_sizes=tuple(args.batch_sizes), repeats=args.repeats,
+                                   max_new_tokens=args.max_new_tokens, max_nodes=args.max_nodes,
+                                   capacity=args.capacity)
+    print(format_table(records))
+    if args.out:
+        write_results(records, args.out)
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specroll-trl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="build the default policy, distil its heads, print the acceptance table")
+    demo.add_argument("--model", default="tiny", help="zoo preset or HF model folder")
+    demo.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k"])
+    demo.add_argument("--eval-prompts", type=int, default=256)
+    demo.set_defaults(func=_demo)
+
+    heads = sub.add_parser("train-heads", help="self-distil speculative heads for a policy")
+    heads.add_argument("--model", required=True, help="zoo preset or HF model folder")
+    heads.add_argument("--out", required=True, help="folder for config.json + model.safetensors")
+    heads.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k"])
+    heads.add_argument("--num-heads", type=int, default=4)
+    heads.add_argument("--num-samples", type=int, default=512)
+    heads.add_argument("--steps", type=int, default=600)
+    heads.add_argument("--max-new-tokens", type=int, default=192)
+    heads.add_argument("--temperature", type=float, default=1.0)
+    heads.add_argument("--max-seconds", type=float, default=None)
+    heads.add_argument("--seed", type=int, default=0)
+    heads.set_defaults(func=_train_heads)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON records, see README)")
+    bench.add_argument("what", choices=["generation"])
+    bench.add_argument("--model", default="tiny")
+    bench.add_argument("--quick", action="store_true", help="reduced run (at most ~3 minutes on 2 cores)")
+    bench.add_argument("--out", default=None, help="JSON file (a PNG is written beside it)")
+    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--max-new-tokens", type=int, default=192)
+    bench.add_argument("--max-nodes", type=int, default=16)
+    bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

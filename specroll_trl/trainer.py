@@ -1,0 +1,221 @@
+"""``SpecGRPOTrainer``: TRL's ``GRPOTrainer`` whose plain-``generate`` rollouts go through the speculative engine.
+
+Only TRL's generation hook (``_generate_single_turn``) is overridden; vLLM, transformers continuous
+batching and multimodal prompts are handed back to ``super()``. Everything else (rewards, advantages, loss,
+PEFT policy, logging, checkpointing) is TRL's. The heads live outside the policy module: the optimizer,
+PEFT and sharding never see them; they are saved with every checkpoint and the final model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field, fields
+
+import torch
+import trl
+from trl import GRPOConfig, GRPOTrainer
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import pad
+
+from .engine import SpeculativeGenerator
+from .heads import SpeculativeHeads
+
+logger = logging.getLogger(__name__)
+
+TESTED_TRL = "1.16"
+HEADS_SUBDIR = "spec_heads"
+
+if not trl.__version__.startswith(TESTED_TRL + "."):
+    raise ImportError(
+        f"specroll_trl.trainer overrides TRL's private generation hook and was tested with trl=={TESTED_TRL}.*; "
+        f"found trl=={trl.__version__}. Install 'trl>={TESTED_TRL},<1.17'."
+    )
+
+
+@dataclass
+class SpecGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus the speculative-rollout fields (all prefixed ``spec_``).
+
+    Every ``GRPOConfig`` field keeps its meaning. A plain ``GRPOConfig`` given to ``SpecGRPOTrainer`` gets the
+    defaults below.
+    """
+
+    spec_enabled: bool = field(
+        default=True,
+        metadata={"help": "Generate rollouts with the speculative engine. False: TRL's own generate path."},
+    )
+    spec_heads_path: str | None = field(
+        default=None,
+        metadata={"help": "Folder of trained heads (config.json + model.safetensors). None: see spec_init_heads."},
+    )
+    spec_init_heads: str = field(
+        default="distill",
+        metadata={
+            "help": "Without spec_heads_path: 'distill' self-distils heads on the training prompts before step 1 "
+            "(spec_distill_* below), 'zeros' starts from zero-initialised heads (they predict the next token "
+            "only, so acceptance starts low). A warning is logged either way."
+        },
+    )
+    spec_num_heads: int = field(default=4, metadata={"help": "Heads to build when none are loaded."})
+    spec_topk_per_head: int = field(default=4, metadata={"help": "Candidates each head adds at its tree depth."})
+    spec_max_nodes: int = field(default=16, metadata={"help": "N_max: draft nodes per row per step besides the root."})
+    spec_capacity: int | None = field(
+        default=None,
+        metadata={"help": "C_hw: query tokens per forward the hardware absorbs cheaply. None: profiled once at start."},
+    )
+    spec_distill_samples: int = field(default=256, metadata={"help": "Policy samples for the initial distillation."})
+    spec_distill_steps: int = field(default=300, metadata={"help": "Optimiser steps of the initial distillation."})
+    spec_fallback_to_generate: bool = field(
+        default=True,
+        metadata={"help": "On a model the engine cannot run (e.g. FlashAttention-2 only), log and use generate."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.spec_init_heads not in ("distill", "zeros"):
+            raise ValueError(f"spec_init_heads must be 'distill' or 'zeros', got {self.spec_init_heads!r}")
+        for name in ("spec_num_heads", "spec_topk_per_head", "spec_distill_samples", "spec_distill_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.spec_max_nodes < 0:
+            raise ValueError(f"spec_max_nodes must be >= 0, got {self.spec_max_nodes}")
+        if self.spec_capacity is not None and self.spec_capacity < 1:
+            raise ValueError(f"spec_capacity must be >= 1 or None, got {self.spec_capacity}")
+
+
+SPEC_DEFAULTS = {f.name: f.default for f in fields(SpecGRPOConfig) if f.name.startswith("spec_")}
+
+
+class SpecGRPOTrainer(GRPOTrainer):
+    """Drop-in ``GRPOTrainer`` with exact speculative rollouts (same signature, plus ``heads``)."""
+
+    def __init__(self, *args, heads: SpeculativeHeads | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.spec_args = {name: getattr(self.args, name, default) for name, default in SPEC_DEFAULTS.items()}
+        self.spec_heads = heads
+        self._spec_engine: SpeculativeGenerator | None = None
+        if self.spec_args["spec_enabled"] and self.spec_heads is None:
+            self.spec_heads = self._initial_heads()
+
+    # ------------------------------------------------------------------ heads
+    def _policy_for_heads(self):
+        model = self.accelerator.unwrap_model(self.model)
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def _initial_heads(self) -> SpeculativeHeads:
+        policy = self._policy_for_heads()
+        lm_head = policy.get_output_embeddings()
+        path = self.spec_args["spec_heads_path"]
+        if path:
+            heads = SpeculativeHeads.from_pretrained(path)
+            heads.check_compatible(policy)
+            return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        heads = SpeculativeHeads.from_model(policy, num_heads=self.spec_args["spec_num_heads"])
+        if self.spec_args["spec_init_heads"] == "zeros":
+            warnings.warn("SpecGRPOTrainer: no spec_heads_path given; starting from zero-initialised heads "
+                          "(low acceptance until they are trained)", stacklevel=3)
+            return heads
+        warnings.warn("SpecGRPOTrainer: no spec_heads_path given; self-distilling heads on the training prompts "
+                      "before the first step", stacklevel=3)
+        return self._distill_initial_heads(heads)
+
+    def _distill_initial_heads(self, heads: SpeculativeHeads) -> SpeculativeHeads:
+        from .distill import HeadDistillConfig, distill_heads
+
+        prompts = []
+        tokenizer = self.processing_class
+        for row in self.train_dataset.select(range(min(len(self.train_dataset), self.spec_args["spec_distill_samples"]))):
+            prompt = row["prompt"]
+            if isinstance(prompt, list):
+                prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            prompts.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        config = HeadDistillConfig(
+            num_heads=heads.num_heads, num_samples=len(prompts), steps=self.spec_args["spec_distill_steps"],
+            temperature=self.args.temperature, max_new_tokens=self.args.max_completion_length,
+            seed=self.args.seed,
+        )
+        policy = self._policy_for_heads()
+        was_training = policy.training
+        requires_grad = {n: p.requires_grad for n, p in policy.named_parameters()}
+        policy.eval()
+        try:
+            heads, report = distill_heads(policy, prompts, tokenizer.pad_token_id, config, heads=heads,
+                                          progress=not self.args.disable_tqdm)
+        finally:
+            for n, p in policy.named_parameters():
+                p.requires_grad_(requires_grad[n])
+            policy.train(was_training)
+        logger.info("initial heads distilled: %s", report["hit_rates"])
+        return heads
+
+    def _engine(self, model) -> SpeculativeGenerator:
+        engine = self._spec_engine
+        if engine is None or engine.model is not model:
+            engine = SpeculativeGenerator(
+                model, self.spec_heads, self.generation_config, topk_per_head=self.spec_args["spec_topk_per_head"],
+                max_nodes=self.spec_args["spec_max_nodes"], capacity=self.spec_args["spec_capacity"],
+                fallback_to_generate=self.spec_args["spec_fallback_to_generate"],
+            )
+            self._spec_engine = engine
+        return engine
+
+    # ------------------------------------------------------------------ the one overridden TRL hook
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if (not self.spec_args["spec_enabled"] or self.use_vllm or self.use_transformers_continuous_batching
+                or images is not None and any(img is not None for img in images) or multimodal_fields
+                or has_tool_images):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        device = self.accelerator.device
+        tensors = [torch.tensor(ids) for ids in prompt_ids]
+        inputs = {
+            "input_ids": pad(tensors, padding_value=self._tokenizer.pad_token_id, padding_side="left",
+                             pad_to_multiple_of=self.pad_to_multiple_of),
+            "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
+                                  pad_to_multiple_of=self.pad_to_multiple_of),
+        }
+        inputs = super()._prepare_inputs(inputs)
+        start = time.perf_counter()
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            self.spec_heads.to(device)
+            out = self._engine(unwrapped_model).generate(inputs["input_ids"].to(device),
+                                                          inputs["attention_mask"].to(device))
+        self._log_spec_stats(out.stats, time.perf_counter() - start)
+        return out.completion_ids, out.logprobs
+
+    def _log_spec_stats(self, stats: dict, seconds: float) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        metrics["spec/tau"].append(float(stats.get("tau", 1.0)))
+        metrics["spec/generation_seconds"].append(seconds)
+        metrics["spec/tokens_per_s"].append(stats.get("tokens", 0) / max(seconds, 1e-9))
+        metrics["spec/forwards"].append(float(stats.get("forwards", 0)))
+        nodes, active = stats.get("nodes_per_row") or [0], stats.get("active_rows") or [0]
+        metrics["spec/tree_nodes_per_row"].append(sum(nodes) / len(nodes))
+        metrics["spec/active_rows"].append(sum(active) / len(active))
+        for d, rate in enumerate(stats.get("accept_per_head", [])):
+            metrics[f"spec/accept_head_{d + 1}"].append(rate)
+
+    # ------------------------------------------------------------------ persistence
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if self.spec_heads is not None and self.args.should_save:
+            self.spec_heads.save_pretrained(os.path.join(output_dir or self.args.output_dir, HEADS_SUBDIR))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        folder = os.path.join(resume_from_checkpoint, HEADS_SUBDIR)
+        if self.spec_heads is not None and os.path.isdir(folder):
+            loaded = SpeculativeHeads.from_pretrained(folder)
+            self.spec_heads.load_state_dict(loaded.state_dict())

@@ -1,0 +1,168 @@
+"""Speculative heads (offsets, persistence, PEFT), head distillation and the offline policy zoo."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specroll_trl import zoo
+from specroll_trl.distill import HeadDistillConfig, build_stream, head_hit_rates, train_heads_on_stream
+from specroll_trl.heads import SpeculativeHeads
+
+from .conftest import make_model
+
+VOCAB = 12
+
+
+def cyclic_stream(model, length=60):
+    """A deterministic sequence 2,3,...,11,2,3,...: x_{t+1+k} is a function of x_t."""
+    seq = [2 + (i % (VOCAB - 2)) for i in range(length)]
+    return build_stream(model, [(seq[:1], seq[1:])])
+
+
+def test_stream_targets_use_the_right_offsets():
+    model = make_model(vocab=VOCAB, hidden=32)
+    stream = cyclic_stream(model)
+    anchors = torch.tensor([0, 5, 50])
+    pos, token, valid = stream.targets(anchors, num_heads=3)
+    assert pos.tolist() == [[1, 2, 3], [6, 7, 8], [51, 52, 53]]
+    assert token.tolist() == [[stream.ids[a + 1 + k].item() for k in (1, 2, 3)] for a in anchors.tolist()]
+    assert valid.all()
+    pos, _, valid = stream.targets(torch.tensor([56]), num_heads=3)
+    assert valid.tolist() == [[True, True, False]]  # x_{60} does not exist
+
+
+def test_heads_learn_to_predict_exactly_x_t_plus_1_plus_k():
+    model = make_model(vocab=VOCAB, hidden=64, seed=1)
+    stream = cyclic_stream(model)
+    heads = SpeculativeHeads.from_model(model, num_heads=3)
+    config = HeadDistillConfig(steps=400, batch_size=64, lr=1e-2, kl_weight=0.0, nll_weight=1.0)
+    train_heads_on_stream(heads, model.lm_head, stream, config, progress=False)
+    rates = head_hit_rates(heads, model.lm_head, stream, ks=(1,))
+    assert [r[1] for r in rates] == [1.0, 1.0, 1.0]
+    # and the prediction is exactly the token k places after the next one
+    with torch.no_grad():
+        top = heads.logits(stream.hidden[:10], model.lm_head).argmax(-1)
+    for t in range(10):
+        assert top[t].tolist() == [stream.ids[t + 1 + k].item() for k in (1, 2, 3)]
+
+
+def test_zero_initialised_heads_reproduce_the_base_distribution():
+    model = make_model(vocab=VOCAB)
+    heads = SpeculativeHeads.from_model(model, num_heads=4)
+    h = torch.randn(5, 32)
+    with torch.no_grad():
+        logits = heads.logits(h, model.lm_head)
+    for k in range(4):
+        torch.testing.assert_close(logits[:, k], model.lm_head(h))
+    assert not any("lm_head" in name for name in heads.state_dict())
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    model = make_model(vocab=VOCAB)
+    heads = SpeculativeHeads.from_model(model, num_heads=3, num_layers=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    heads.save_pretrained(tmp_path / "h")
+    assert sorted(os.listdir(tmp_path / "h")) == ["config.json", "model.safetensors"]
+    loaded = SpeculativeHeads.from_pretrained(tmp_path / "h")
+    assert loaded.config == heads.config
+    for (n1, a), (n2, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b)
+
+
+def test_mismatched_heads_and_bad_folders_are_refused(tmp_path):
+    model = make_model(vocab=VOCAB, hidden=32)
+    with pytest.raises(ValueError, match="hidden size"):
+        SpeculativeHeads.from_model(make_model(vocab=VOCAB, hidden=64)).check_compatible(model)
+    with pytest.raises(ValueError, match="vocab"):
+        SpeculativeHeads.from_model(make_model(vocab=VOCAB + 4)).check_compatible(model)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SpeculativeHeads.from_pretrained(tmp_path / "missing")
+    heads = SpeculativeHeads.from_model(model, 2)
+    heads.save_pretrained(tmp_path / "h")
+    weights = tmp_path / "h" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match="safetensors"):
+        SpeculativeHeads.from_pretrained(tmp_path / "h")
+    weights.write_bytes(b"\x80\x04\x95 not safetensors, e.g. a pickle")
+    with pytest.raises(ValueError, match="safetensors"):
+        SpeculativeHeads.from_pretrained(tmp_path / "h")
+    heads.save_pretrained(tmp_path / "h2")
+    cfg = json.loads((tmp_path / "h2" / "config.json").read_text())
+    cfg["num_heads"] = 3
+    (tmp_path / "h2" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not match its config"):
+        SpeculativeHeads.from_pretrained(tmp_path / "h2")
+    with pytest.raises(ValueError, match="num_heads"):
+        SpeculativeHeads.from_model(model, num_heads=0)
+
+
+def test_lora_wrapped_heads_train_and_save_only_adapters(tmp_path):
+    model = make_model(vocab=VOCAB, hidden=32, seed=2)
+    stream = cyclic_stream(model)
+    heads = SpeculativeHeads.from_model(model, num_heads=2)
+    base = {k: v.clone() for k, v in heads.state_dict().items()}
+    lora = get_peft_model(heads, LoraConfig(r=4, lora_alpha=8, target_modules=["linear"]))
+    before = {n: p.detach().clone() for n, p in lora.named_parameters()}
+    train_heads_on_stream(lora, model.lm_head, stream, HeadDistillConfig(steps=20, batch_size=32), progress=False)
+    changed = {n for n, p in lora.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    frozen = {n: p for n, p in lora.named_parameters() if "lora_" not in n}
+    for name, p in frozen.items():
+        key = name.replace("base_model.model.", "").replace(".base_layer", "")
+        assert torch.equal(p, base[key])
+    lora.save_pretrained(tmp_path / "adapter")
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)
+    reloaded = PeftModel.from_pretrained(SpeculativeHeads.from_model(model, num_heads=2), tmp_path / "adapter")
+    h = stream.hidden[:7]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.logits(h, model.lm_head), lora.logits(h, model.lm_head))
+
+
+def test_zoo_builds_and_reloads_offline(nano, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = zoo.policy_dir("nano")
+    info = json.loads((folder / "build_info.json").read_text())
+    assert info["build_seconds"] < 90 and info["parameters"] > 50_000
+    start = time.time()
+    assert zoo.build_policy("nano") == folder  # cached: no rebuild
+    assert time.time() - start < 5
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert tokenizer.eos_token == zoo.EOS_TOKEN and tokenizer.pad_token == zoo.PAD_TOKEN
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>assistant\n")
+    text = " So Tom has 17+11=<<17+11=28>>28 toys.\n#### 28"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+    # the nano policy learned its task format: a greedy completion ends with a final answer line
+    prompt = tokenizer(zoo.format_prompt(zoo.task_examples("arithmetic", 1, 5, "test")[0]["question"]),
+                       return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**prompt, do_sample=False, max_new_tokens=120)
+    assert "####" in tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
+
+
+def test_zoo_refuses_unknown_presets_and_paths(specroll_home, tmp_path):
+    with pytest.raises(ValueError, match="unknown zoo preset"):
+        zoo.build_policy("huge")
+    with pytest.raises(FileNotFoundError, match="neither a zoo preset"):
+        zoo.resolve_policy(str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="unknown task"):
+        zoo.task_examples("chess", 3, 0)
+
+
+def test_distilled_nano_heads_hit_often(nano):
+    report = json.loads((zoo.heads_dir("nano") / "distill_report.json").read_text())
+    top1 = [float(r["1"]) for r in report["hit_rates"]]
+    top5 = [float(r["5"]) for r in report["hit_rates"]]
+    assert top1[0] > 0.5 and all(a >= b - 0.02 for a, b in zip(top1, top1[1:]))  # farther heads are harder
+    assert all(t5 >= t1 for t1, t5 in zip(top1, top5))

@@ -3,12 +3,15 @@
 from .distill import HeadDistillConfig, distill_heads
 from .engine import GenerationOutput, SpeculativeConfig, SpeculativeGenerator, profile_capacity
 from .heads import SpeculativeHeads, SpeculativeHeadsConfig
+from .trainer import SpecGRPOConfig, SpecGRPOTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GenerationOutput",
     "HeadDistillConfig",
+    "SpecGRPOConfig",
+    "SpecGRPOTrainer",
     "SpeculativeConfig",
     "SpeculativeGenerator",
     "SpeculativeHeads",

@@ -47,7 +47,7 @@ class HeadDistillConfig:
     sample_batch_size: int = 64
     steps: int = 600
     batch_size: int = 1024
-    lr: float = 3e-3
+    lr: float = 1e-2
     kl_weight: float = 1.0
     nll_weight: float = 1.0
     max_seconds: float | None = None

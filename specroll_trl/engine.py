@@ -43,6 +43,9 @@ class SpeculativeConfig:
         compact_ratio: squeeze holes out of the KV cache when they exceed this share of its length.
         fallback_to_generate: on an unsupported model, log and fall back to ``model.generate`` instead of
             raising.
+        synced_gpus: keep issuing forwards until every rank has finished (needed when parameters are sharded
+            and each forward all-gathers them: ZeRO-3 without gathering, FSDP). ``None``: as ``generate``
+            decides, i.e. on when ZeRO-3 or FSDP manages the model and the world size is above 1.
     """
 
     topk_per_head: int = 4
@@ -52,6 +55,7 @@ class SpeculativeConfig:
     return_logprobs: bool = False
     compact_ratio: float = 0.25
     fallback_to_generate: bool = False
+    synced_gpus: bool | None = None
 
     def __post_init__(self):
         if self.topk_per_head < 1:
@@ -117,13 +121,32 @@ def profile_capacity(model, batch_size: int = 8, context: int = 128, eps: float 
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2]
 
-    base = latency(1)
-    best, k = 1, 2
-    while k <= max_tokens:
-        if latency(k) > (1 + eps) * base:
-            break
-        best, k = k, k * 2
+    # Every k is measured (no early exit) so all ranks run the same number of forwards.
+    sizes = [2**i for i in range(max_tokens.bit_length()) if 2**i <= max_tokens]
+    times = {k: latency(k) for k in sizes}
+    best = max(k for k in sizes if times[k] <= (1 + eps) * times[1])
     return best * batch_size
+
+
+def should_sync(model, requested: bool | None) -> bool:
+    """Whether ranks must stay in lockstep (sharded parameters gathered inside every forward)."""
+    if requested is not None:
+        return requested
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    if torch.distributed.get_world_size() < 2:
+        return False
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)
+
+
+def any_rank_active(local_active: bool, device) -> bool:
+    """All-reduce (max) of "this rank still has rows", so finished ranks keep stepping with the others."""
+    flag = torch.tensor([1.0 if local_active else 0.0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 class SpeculativeGenerator:
@@ -206,6 +229,7 @@ class SpeculativeGenerator:
         if self._table_device != device:
             self.table, self._table_device = self.table.to(device), device
         want_logprobs = self.config.return_logprobs
+        capacity = self.capacity  # resolved (maybe profiled) before any rank can finish early
 
         # Prefill: positions as generate computes them for left padding.
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
@@ -233,11 +257,22 @@ class SpeculativeGenerator:
         keep = alive.nonzero().squeeze(1)
         rows, root, hidden = rows[keep], root[keep], hidden[keep]
         kv.keep_rows(keep)
+        synced = should_sync(self.model, self.config.synced_gpus)
         step = 0
-        while rows.numel():
+        while True:
+            if synced:
+                if not any_rank_active(rows.numel() > 0, device):
+                    break
+                if not rows.numel():
+                    # this rank is done: a throwaway forward keeps the sharded all-gathers in step
+                    self.model(input_ids=input_ids[:1, -1:], use_cache=False)
+                    stats["sync_forwards"] = stats.get("sync_forwards", 0) + 1
+                    continue
+            elif not rows.numel():
+                break
             step += 1
             active = rows.numel()
-            num_nodes = node_budget(self.capacity, active, self.config.max_nodes)
+            num_nodes = node_budget(capacity, active, self.config.max_nodes)
             stats["nodes_per_row"].append(num_nodes)
             stats["active_rows"].append(active)
             topk_ids = topk_logp = None
@@ -317,7 +352,7 @@ class SpeculativeGenerator:
             tau=stats["tokens"] / stats["row_forwards"],
             accept_per_head=[a / drafted for a in stats["accepted_at_depth"]],
             seconds=time.perf_counter() - start,
-            capacity=self.capacity,
+            capacity=capacity,
         )
         return GenerationOutput(result, lps, stats)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import trl
+from transformers import Trainer
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
@@ -177,7 +178,7 @@ class SpecGRPOTrainer(GRPOTrainer):
             "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
                                   pad_to_multiple_of=self.pad_to_multiple_of),
         }
-        inputs = super()._prepare_inputs(inputs)
+        inputs = Trainer._prepare_inputs(self, inputs)  # device placement only; GRPOTrainer's override generates
         start = time.perf_counter()
         with (
             unwrap_model_for_generation(

@@ -1,0 +1,131 @@
+"""SpecGRPOTrainer as a drop-in GRPOTrainer: short offline GRPO runs on the nano policy."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+from trl import GRPOConfig, GRPOTrainer
+
+from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads, zoo
+from specroll_trl.data import make_arithmetic_task
+from specroll_trl.rewards import REWARD_FUNCS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_args(tmp_path, cls=SpecGRPOConfig, **overrides):
+    base = dict(
+        output_dir=str(tmp_path / "out"), max_steps=2, num_generations=4, per_device_train_batch_size=8,
+        max_completion_length=32, learning_rate=1e-4, logging_steps=1, report_to="none", bf16=False,
+        save_strategy="no", seed=0, disable_tqdm=True,
+    )
+    if cls is SpecGRPOConfig:
+        base.update(spec_heads_path=str(zoo.heads_dir("nano")), spec_capacity=256)
+    base.update(overrides)
+    return cls(**base)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_arithmetic_task(32, seed=3)
+
+
+def run(trainer_cls, args, dataset, **kwargs):
+    trainer = trainer_cls(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=args,
+                          train_dataset=dataset, **kwargs)
+    trainer.train()
+    return trainer
+
+
+def logged_keys(trainer):
+    return {k for row in trainer.state.log_history if "loss" in row for k in row}
+
+
+def test_spec_run_logs_spec_metrics_and_matches_grpo_keys(nano, tmp_path, dataset):
+    spec = run(SpecGRPOTrainer, small_args(tmp_path), dataset)
+    rows = [r for r in spec.state.log_history if "loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert all("reward" in r and math.isfinite(r["reward"]) for r in rows)
+    spec_keys = {k for k in logged_keys(spec) if k.startswith("spec/")}
+    assert {"spec/tau", "spec/generation_seconds", "spec/tokens_per_s", "spec/tree_nodes_per_row",
+            "spec/active_rows", "spec/accept_head_1"} <= spec_keys
+    assert all(r["spec/tau"] >= 1.0 for r in rows)
+
+    vanilla = run(GRPOTrainer, small_args(tmp_path / "v", cls=GRPOConfig), dataset)
+    assert logged_keys(vanilla) == logged_keys(spec) - spec_keys
+    # heads stay outside the policy: the optimizer never sees them
+    head_params = {id(p) for p in spec.spec_heads.parameters()}
+    assert not head_params & {id(p) for group in spec.optimizer.param_groups for p in group["params"]}
+    assert not head_params & {id(p) for p in spec.model.parameters()}
+
+
+def test_plain_grpo_config_works_with_defaults(nano, tmp_path, dataset):
+    args = small_args(tmp_path, cls=GRPOConfig, max_steps=1)
+    with pytest.warns(UserWarning, match="zero-initialised heads|self-distilling"):
+        trainer = SpecGRPOTrainer(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=args,
+                                  train_dataset=dataset)
+    assert trainer.spec_args["spec_enabled"] and trainer.spec_heads is not None
+    trainer.train()
+    assert any("spec/tau" in r for r in trainer.state.log_history)
+
+
+def test_checkpoint_and_resume_restore_heads_bit_exactly(nano, tmp_path, dataset):
+    args = small_args(tmp_path, save_strategy="steps", save_steps=1)
+    trainer = run(SpecGRPOTrainer, args, dataset)
+    ckpt = Path(args.output_dir) / "checkpoint-2"
+    saved = SpeculativeHeads.from_pretrained(ckpt / "spec_heads")
+    for a, b in zip(saved.state_dict().values(), trainer.spec_heads.state_dict().values()):
+        assert torch.equal(a, b)
+    # a new trainer whose heads differ gets the checkpoint's heads back on resume
+    args2 = small_args(tmp_path, save_strategy="steps", save_steps=1, max_steps=3)
+    resumed = SpecGRPOTrainer(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=args2,
+                              train_dataset=dataset)
+    with torch.no_grad():
+        for p in resumed.spec_heads.parameters():
+            p.add_(1.0)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.state.global_step == 3
+    for a, b in zip(saved.state_dict().values(), resumed.spec_heads.state_dict().values()):
+        assert torch.equal(a, b)
+    resumed.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "spec_heads" / "model.safetensors").is_file()
+
+
+def test_peft_policy(nano, tmp_path, dataset):
+    trainer = run(SpecGRPOTrainer, small_args(tmp_path), dataset,
+                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(rows) == 2 and all("spec/tau" in r for r in rows)
+    assert not any("lora" in n for n, _ in trainer.spec_heads.named_parameters())  # PEFT never wraps the heads
+    head_params = {id(p) for p in trainer.spec_heads.parameters()}
+    assert not head_params & {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+
+
+def test_spec_disabled_uses_trl_generate(nano, tmp_path, dataset):
+    trainer = run(SpecGRPOTrainer, small_args(tmp_path, spec_enabled=False, max_steps=1), dataset)
+    assert not any(k.startswith("spec/") for k in logged_keys(trainer))
+
+
+def test_invalid_spec_config_values():
+    with pytest.raises(ValueError, match="spec_max_nodes"):
+        SpecGRPOConfig(output_dir="x", spec_max_nodes=-1, bf16=False)
+    with pytest.raises(ValueError, match="spec_init_heads"):
+        SpecGRPOConfig(output_dir="x", spec_init_heads="random", bf16=False)
+    with pytest.raises(ValueError, match="spec_capacity"):
+        SpecGRPOConfig(output_dir="x", spec_capacity=0, bf16=False)
+
+
+def test_two_process_accelerate_launch(nano, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"), str(ROOT / "examples" / "grpo_gsm8k.py"),
+           "--model", "nano", "--max-steps", "2", "--num-generations", "4", "--prompts-per-step", "1",
+           "--max-completion-length", "24", "--output-dir", str(tmp_path / "ddp")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'step': 2" in proc.stdout and "spec/tau" in proc.stdout

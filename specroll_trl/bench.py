@@ -144,3 +144,82 @@ def format_table(records: list[dict]) -> str:
         lines.append(f"{r['batch_size']:>5}  {r['mode']:<24} {r['vanilla_s']:9.2f} {r['spec_s']:8.2f} "
                      f"{r['speedup']:6.2f}x {tau:>5}  {acc}")
     return "\n".join(lines)
+
+
+def _timed(trainer_cls):
+    """``trainer_cls`` that records wall seconds of each step and of each generation call."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.step_seconds, self._start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_seconds.append(time.perf_counter() - self._start)
+
+    class Timed(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            self.timer = StepTimer()
+            self.generation_seconds = []
+            super().__init__(*args, callbacks=[self.timer], **kwargs)
+
+        def _generate_single_turn(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return super()._generate_single_turn(*args, **kwargs)
+            finally:
+                self.generation_seconds.append(time.perf_counter() - start)
+
+    return Timed
+
+
+def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2, num_generations: int = 8,
+              prompts_per_step: int = 4, max_completion_length: int = 256, output_dir: str = "runs/bench_e2e",
+              progress: bool = True) -> list[dict]:
+    """GRPOTrainer vs SpecGRPOTrainer, same config and seed, alternating whole runs; one record."""
+    from trl import GRPOTrainer
+
+    from .data import make_arithmetic_task
+    from .rewards import REWARD_FUNCS
+    from .trainer import SpecGRPOConfig, SpecGRPOTrainer
+    from .zoo import build_heads, resolve_policy
+
+    model_path = str(resolve_policy(model_name, progress=progress))
+    heads_path = str(build_heads(model_name, progress=progress)) if model_name in PRESETS else None
+    dataset = make_arithmetic_task(steps * prompts_per_step, seed=123)
+    results = {"vanilla": {"step": [], "gen": [], "reward": []}, "spec": {"step": [], "gen": [], "reward": []}}
+    taus = []
+    for r in range(repeats):
+        for name, cls in (("vanilla", GRPOTrainer), ("spec", SpecGRPOTrainer)):
+            args = SpecGRPOConfig(
+                output_dir=f"{output_dir}/{name}{r}", max_steps=steps, num_generations=num_generations,
+                per_device_train_batch_size=num_generations * prompts_per_step,
+                max_completion_length=max_completion_length, learning_rate=1e-5, logging_steps=1,
+                report_to="none", bf16=False, save_strategy="no", seed=0, disable_tqdm=not progress,
+                spec_heads_path=heads_path,
+            )
+            trainer = _timed(cls)(model=model_path, reward_funcs=REWARD_FUNCS, args=args, train_dataset=dataset)
+            trainer.train()
+            results[name]["step"] += trainer.timer.step_seconds
+            results[name]["gen"] += trainer.generation_seconds
+            results[name]["reward"] += [row["reward"] for row in trainer.state.log_history if "reward" in row]
+            if name == "spec":
+                taus += [row["spec/tau"] for row in trainer.state.log_history if "spec/tau" in row]
+            if progress:
+                print(f"run {r} {name:<8} step {statistics.median(trainer.timer.step_seconds):6.2f}s  "
+                      f"generation {statistics.median(trainer.generation_seconds):6.2f}s", flush=True)
+    v_step, s_step = statistics.median(results["vanilla"]["step"]), statistics.median(results["spec"]["step"])
+    v_gen, s_gen = statistics.median(results["vanilla"]["gen"]), statistics.median(results["spec"]["gen"])
+    return [{
+        "steps": steps * repeats, "vanilla_step_s": v_step, "spec_step_s": s_step, "speedup": v_step / s_step,
+        "generation_share": v_gen / v_step, "spec_generation_share": s_gen / s_step,
+        "vanilla_generation_s": v_gen, "spec_generation_s": s_gen, "generation_speedup": v_gen / s_gen,
+        "tau": statistics.median(taus) if taus else None,
+        "vanilla_reward_mean": statistics.mean(results["vanilla"]["reward"]),
+        "spec_reward_mean": statistics.mean(results["spec"]["reward"]),
+        "num_generations": num_generations, "prompts_per_step": prompts_per_step,
+        "max_completion_length": max_completion_length, "model": model_name,
+    }]

@@ -56,14 +56,25 @@ def _train_heads(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import bench_generation, format_table, write_results
+    from .bench import bench_e2e, bench_generation, format_table, write_results
 
+    if args.what == "e2e":
+        if args.quick:
+            records = bench_e2e(args.model, steps=2, repeats=1, prompts_per_step=2, max_completion_length=128)
+        else:
+            records = bench_e2e(args.model, steps=args.steps, repeats=args.repeats,
+                                max_completion_length=args.max_new_tokens or 256)
+        for key, value in records[0].items():
+            print(f"{key:>24}: {value}")
+        if args.out:
+            write_results(records, args.out, plot=False)
+        return 0
     if args.quick:
         records = bench_generation(args.model, batch_sizes=(1, 8, 32), repeats=1, max_new_tokens=96,
                                    max_nodes=args.max_nodes, capacity=args.capacity)
     else:
         records = bench_generation(args.model, batch_sizes=tuple(args.batch_sizes), repeats=args.repeats,
-                                   max_new_tokens=args.max_new_tokens, max_nodes=args.max_nodes,
+                                   max_new_tokens=args.max_new_tokens or 192, max_nodes=args.max_nodes,
                                    capacity=args.capacity)
     print(format_table(records))
     if args.out:
@@ -96,13 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     heads.set_defaults(func=_train_heads)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON records, see README)")
-    bench.add_argument("what", choices=["generation"])
+    bench.add_argument("what", choices=["generation", "e2e"])
     bench.add_argument("--model", default="tiny")
     bench.add_argument("--quick", action="store_true", help="reduced run (at most ~3 minutes on 2 cores)")
     bench.add_argument("--out", default=None, help="JSON file (a PNG is written beside it)")
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--max-new-tokens", type=int, default=192)
+    bench.add_argument("--max-new-tokens", type=int, default=None,
+                       help="completion length (generation) / max_completion_length (e2e, default 256 there)")
+    bench.add_argument("--steps", type=int, default=4, help="GRPO steps per run (e2e)")
     bench.add_argument("--max-nodes", type=int, default=16)
     bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
     bench.set_defaults(func=_bench)

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from .heads import SpeculativeHeads, lm_head_of

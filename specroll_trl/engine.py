@@ -195,7 +195,9 @@ class SpeculativeGenerator:
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be a non-empty [B, T] LongTensor, got shape {tuple(input_ids.shape)}")
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}"
+            )
         if (attention_mask.sum(1) == 0).any():
             raise ValueError("every prompt needs at least one token (an attention_mask row is all zeros)")
         if bool((attention_mask[:, -1] == 0).any()):

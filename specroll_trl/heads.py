@@ -75,7 +75,7 @@ class SpeculativeHeads(nn.Module):
         return self.config.num_heads
 
     @classmethod
-    def from_model(cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1) -> "SpeculativeHeads":
+    def from_model(cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1) -> SpeculativeHeads:
         """Zero-initialised heads sized for ``model`` (a HF causal LM), on its device and dtype."""
         lm_head = lm_head_of(model)
         config = SpeculativeHeadsConfig(
@@ -116,7 +116,7 @@ class SpeculativeHeads(nn.Module):
     @classmethod
     def from_pretrained(
         cls, directory: str | os.PathLike, device: torch.device | str | None = None, dtype=None
-    ) -> "SpeculativeHeads":
+    ) -> SpeculativeHeads:
         """Load heads saved by :meth:`save_pretrained`; refuses missing, truncated or foreign files."""
         path = Path(directory)
         if not path.is_dir():
@@ -127,7 +127,8 @@ class SpeculativeHeads(nn.Module):
                 raise FileNotFoundError(f"heads folder {str(path)!r} has no {f.name}")
         try:
             raw = json.loads(config_file.read_text())
-            config = SpeculativeHeadsConfig(**{f.name: raw[f.name] for f in fields(SpeculativeHeadsConfig) if f.name in raw})
+            names = {f.name for f in fields(SpeculativeHeadsConfig)}
+            config = SpeculativeHeadsConfig(**{k: v for k, v in raw.items() if k in names})
         except (json.JSONDecodeError, TypeError, KeyError, ValueError) as err:
             raise ValueError(f"{config_file} is not a valid heads config: {err}") from err
         try:

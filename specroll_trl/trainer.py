@@ -128,7 +128,8 @@ class SpecGRPOTrainer(GRPOTrainer):
 
         prompts = []
         tokenizer = self.processing_class
-        for row in self.train_dataset.select(range(min(len(self.train_dataset), self.spec_args["spec_distill_samples"]))):
+        count = min(len(self.train_dataset), self.spec_args["spec_distill_samples"])
+        for row in self.train_dataset.select(range(count)):
             prompt = row["prompt"]
             if isinstance(prompt, list):
                 prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)

@@ -36,7 +36,7 @@ class PathTable:
     ancestors: torch.Tensor  # [P, P] bool
 
     @classmethod
-    def build(cls, depth: int, topk: int, max_paths: int = 4096) -> "PathTable":
+    def build(cls, depth: int, topk: int, max_paths: int = 4096) -> PathTable:
         paths: list[tuple[int, ...]] = []
         for d in range(1, depth + 1):
             paths.extend(itertools.product(range(topk), repeat=d))
@@ -58,7 +58,7 @@ class PathTable:
         depths = torch.tensor([len(p) for p in paths], dtype=torch.long)
         return cls(depths, parent, choice, ancestors)
 
-    def to(self, device) -> "PathTable":
+    def to(self, device) -> PathTable:
         return PathTable(*(t.to(device) for t in (self.depth, self.parent, self.choice, self.ancestors)))
 
 

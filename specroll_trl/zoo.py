@@ -101,7 +101,8 @@ def task_examples(task: str, n: int, seed: int, split: str = "train") -> list[di
 # Qwen2's pre-tokenisation (digits split one by one): AutoTokenizer rebuilds a Qwen2 folder's tokenizer with
 # it, so training with anything else would make the reloaded tokenizer disagree with the trained model.
 QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 

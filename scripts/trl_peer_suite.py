@@ -44,7 +44,16 @@ DATASET_IDS = ("trl-internal-testing/zen",)
 
 # ---------------------------------------------------------------------------------------------- tokenizer families
 # specials: added as special tokens (order fixes their ids); bos/eos/pad: token strings; gen: generation_config
-# extras (token strings are resolved to ids); template: a file of trl/chat_templates, or inline jinja.
+# extras (token strings are resolved to ids); template: a file of trl/chat_templates, or inline jinja; ids: fixed ids
+# of the upstream tokenizer (some tests hard-code them, e.g. Qwen's eos 151645) and vocab_size: the upstream model
+# vocabulary (ids between the BPE and the specials are unmapped, as past len(tokenizer) upstream). Both apply only
+# with --real-ids: a 152k vocabulary makes every rollout and loss ~10x slower on CPU, so by default the Qwen
+# families get a compact ~600-token vocabulary (then the two tests that hard-code Qwen ids / rely on eos being
+# rare fail in both runs; run them with --real-ids -k mask_truncated).
+QWEN_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<tool_call>": 151657,
+            "</tool_call>": 151658}
+QWEN3_IDS = dict(QWEN_IDS, **{"<tool_response>": 151665, "</tool_response>": 151666, "<think>": 151667,
+                              "</think>": 151668})
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
@@ -53,14 +62,14 @@ MISTRAL_TEMPLATE = (
 FAMILIES = {
     "qwen2_5": dict(
         specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
-        bos=None, eos="<|im_end|>", pad="<|endoftext|>", template="qwen2_5.jinja",
+        bos=None, eos="<|im_end|>", pad="<|endoftext|>", template="qwen2_5.jinja", ids=QWEN_IDS, vocab_size=151665,
         gen=dict(bos_token_id="<|endoftext|>", eos_token_id=["<|im_end|>", "<|endoftext|>"],
                  pad_token_id="<|endoftext|>", do_sample=True, temperature=0.7, top_p=0.8, top_k=20,
                  repetition_penalty=1.05),
     ),
     "qwen3": dict(
-        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"],
-        bos=None, eos="<|im_end|>", pad="<|endoftext|>", template="qwen3.jinja",
+        specials=list(QWEN3_IDS),
+        bos=None, eos="<|im_end|>", pad="<|endoftext|>", template="qwen3.jinja", ids=QWEN3_IDS, vocab_size=151669,
         gen=dict(bos_token_id="<|endoftext|>", eos_token_id=["<|im_end|>", "<|endoftext|>"],
                  pad_token_id="<|endoftext|>", do_sample=True, temperature=0.6, top_p=0.95, top_k=20),
     ),
@@ -141,6 +150,8 @@ MODELS = {
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, use_mamba_kernels=False)),
     "tiny-RemoteForCausalLM": ("llama3_2", "remote", "remote", SMALL),
 }
+REAL_VOCAB = {"tiny-Qwen3MoeForCausalLM": 151936}  # hard-coded in TRL's script instead of len(tokenizer.vocab)
+REAL_IDS = False
 
 
 def log(msg: str) -> None:
@@ -206,7 +217,10 @@ def family_tokenizer(base, family: str):
     from transformers import PreTrainedTokenizerFast
 
     spec = FAMILIES[family]
-    tok = Tokenizer.from_str(base.to_str())
+    serialized = json.loads(base.to_str())
+    if REAL_IDS:
+        serialized["model"]["vocab"].update(spec.get("ids", {}))
+    tok = Tokenizer.from_str(json.dumps(serialized))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec["specials"]])
     if spec.get("add_bos"):
         bos = spec["bos"]
@@ -251,7 +265,8 @@ def build_model(name: str, base, peer: Path, folder: Path) -> None:
     family, config_cls, model_cls, kwargs = MODELS[name]
     spec = FAMILIES[family]
     tokenizer = family_tokenizer(base, family)
-    ids = dict(vocab_size=len(tokenizer), eos_token_id=_ids(tokenizer, spec["gen"]["eos_token_id"]))
+    vocab = REAL_VOCAB.get(name, spec.get("vocab_size")) if REAL_IDS else None
+    ids = dict(vocab_size=vocab or len(tokenizer), eos_token_id=_ids(tokenizer, spec["gen"]["eos_token_id"]))
     if spec["bos"]:
         ids["bos_token_id"] = tokenizer.convert_tokens_to_ids(spec["bos"])
     if spec["pad"] and "SequenceClassification" not in model_cls:
@@ -269,12 +284,12 @@ def build_model(name: str, base, peer: Path, folder: Path) -> None:
         RemoteModel.register_for_auto_class("AutoModel")
         RemoteForCausalLM.register_for_auto_class("AutoModelForCausalLM")
         RemoteForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-        config = RemoteConfig(**kwargs, **ids)
+        config = RemoteConfig(**{**ids, **kwargs})
         config.auto_map = {"AutoModel": "modeling_remote.RemoteModel",
                            "AutoModelForSequenceClassification": "modeling_remote.RemoteForSequenceClassification"}
         model_class = RemoteForCausalLM
     else:
-        config = getattr(transformers, config_cls)(**kwargs, **ids)
+        config = getattr(transformers, config_cls)(**{**ids, **kwargs})
         if getattr(config, "layer_types", None) and len(config.layer_types) != config.num_hidden_layers:
             config.layer_types = config.layer_types[: config.num_hidden_layers]
         model_class = getattr(transformers, model_cls)
@@ -299,7 +314,12 @@ def build_model(name: str, base, peer: Path, folder: Path) -> None:
 
 
 def build_hub(peer: Path, hub: Path, names=None) -> None:
+    marker = hub / "_build" / "layout.json"
+    layout = {"real_ids": REAL_IDS}
+    if marker.exists() and json.loads(marker.read_text()) != layout:
+        raise SystemExit(f"{hub} was built with {marker.read_text()}; use another --hub for {layout}")
     base = build_base_tokenizer(peer, hub / "_build")
+    marker.write_text(json.dumps(layout))
     for name in names or MODELS:
         repo = hub / "hub" / f"models--trl-internal-testing--{name}"
         snap = repo / "snapshots" / FAKE_SHA
@@ -437,9 +457,7 @@ def run_pytest(label: str, peer: Path, hub: Path, substitute: bool, k: str | Non
            f"--rootdir={peer}", "-o", "console_output_style=classic", "-W", "ignore::DeprecationWarning",
            "-W", "ignore::FutureWarning",
            "-p", "_peer_report"]
-    if extra_path:
-        cmd += ["-p", "pytest_timeout"]
-    if extra_path is not None:
+    if extra_path is not None:  # the --target install keeps its entry point, so pytest loads it from PYTHONPATH
         cmd += [f"--timeout={timeout}"]
     if k:
         cmd += ["-k", k]
@@ -460,6 +478,8 @@ def run_pytest(label: str, peer: Path, hub: Path, substitute: bool, k: str | Non
     for row in outcomes.values():
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
     log(f"{label}: rc={rc} {seconds:.0f}s {counts} (log {log_path})")
+    if not outcomes:
+        raise SystemExit(f"{label}: pytest reported no test (rc={rc}); see {log_path}")
     return dict(outcomes=outcomes, counts=counts, seconds=seconds, rc=rc)
 
 
@@ -517,9 +537,14 @@ def main() -> int:
     parser.add_argument("--hub", type=Path, default=Path("/tmp/trl_hub"))
     parser.add_argument("--only", choices=("base", "spec", "both", "setup"), default="both")
     parser.add_argument("-k", default=None, help="pytest -k expression (default: whole file)")
+    parser.add_argument("--real-ids", action="store_true",
+                        help="Qwen tokenizers with upstream special-token ids and 152k vocabularies (slow; use another"
+                             " --hub, e.g. /tmp/trl_hub_realids)")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout (pytest-timeout)")
     args = parser.parse_args()
 
+    global REAL_IDS
+    REAL_IDS = args.real_ids
     os.environ.update(HF_HOME=str(args.hub), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     checkout(args.trl_git, args.ref, args.peer)
     build_hub(args.peer, args.hub)

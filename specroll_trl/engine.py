@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from .heads import SpeculativeHeads, lm_head_of
+from .hooks import StepFeedback, StepHook
 from .kvcache import RaggedCache
 from .tree import PathTable, node_budget, select_tree
 from .verify import TargetDistribution, expected_accepted, match_tree
@@ -155,9 +156,10 @@ class SpeculativeGenerator:
     _capacity_cache: dict[int, int] = {}
 
     def __init__(self, model, heads: SpeculativeHeads, generation_config: GenerationConfig | None = None,
-                 config: SpeculativeConfig | None = None, **options):
+                 config: SpeculativeConfig | None = None, hooks: list[StepHook] | None = None, **options):
         self.model = model
         self.heads = heads
+        self.hooks = list(hooks or [])
         self.config = config or SpeculativeConfig(**options)
         if config is not None and options:
             raise ValueError("pass engine options either as `config` or as keyword arguments, not both")
@@ -259,6 +261,8 @@ class SpeculativeGenerator:
         keep = alive.nonzero().squeeze(1)
         rows, root, hidden = rows[keep], root[keep], hidden[keep]
         kv.keep_rows(keep)
+        for hook in self.hooks:
+            hook.start(batch, self.heads.num_heads, self.lm_head.weight.shape[1], self.lm_head)
         synced = should_sync(self.model, self.config.synced_gpus)
         step = 0
         while True:
@@ -277,9 +281,13 @@ class SpeculativeGenerator:
             num_nodes = node_budget(capacity, active, self.config.max_nodes)
             stats["nodes_per_row"].append(num_nodes)
             stats["active_rows"].append(active)
-            topk_ids = topk_logp = None
+            root_index = done_len[rows] - 1
+            z = topk_ids = topk_logp = None
             if num_nodes:
-                head_logp = torch.log_softmax(self.heads.logits(hidden, self.lm_head).float(), dim=-1)
+                z = self.heads(hidden)  # [B, H, D]
+                for hook in self.hooks:
+                    z = hook.adjust(rows, z)
+                head_logp = torch.log_softmax(self.lm_head(z).float(), dim=-1)
                 topk_logp, topk_ids = head_logp.topk(self.config.topk_per_head, dim=-1)
             tree = select_tree(root, topk_ids, topk_logp, self.table, num_nodes) if num_nodes else \
                 select_tree(root, root[:, None, None].expand(-1, self.heads.num_heads, 1), None, self.table, 0)
@@ -338,6 +346,11 @@ class SpeculativeGenerator:
 
             kv.commit(accepted)
             finished = (first_eos <= num_acc) | (done_len[rows] >= max_new)
+            if self.hooks:
+                feedback = StepFeedback(rows, root_index, z, topk_ids, tree, probs.view(active, n, -1), accepted,
+                                        emitted, count, finished)
+                for hook in self.hooks:
+                    hook.feedback(feedback)
             hidden = out.hidden_states[-1].gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
             root = new_root
             if finished.any():
@@ -356,6 +369,8 @@ class SpeculativeGenerator:
             seconds=time.perf_counter() - start,
             capacity=capacity,
         )
+        for hook in self.hooks:
+            stats.update(hook.metrics())
         return GenerationOutput(result, lps, stats)
 
     def _node_input_ids(self, prompt_ids, completion, rows, done_len, root, tree, pad_len):

@@ -1,0 +1,64 @@
+"""Per-step hooks of the speculative engine: adjust proposals before drafting, receive verifier feedback after.
+
+The engine calls, once per ``generate`` call, ``start``; then every decoding step ``adjust`` (it may change
+the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``) and ``feedback`` (what the
+verifier learnt this step). Hooks can only change *proposals*; what is emitted stays exactly distributed as
+the target samples it. Reflex (``specroll_trl.reflex``) is the first hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import DraftTree
+
+
+@dataclass
+class StepFeedback:
+    """One verified step, for the rows still generating (``B`` of them).
+
+    Attributes:
+        rows: ``[B]`` indices of the rows in the caller's batch.
+        root_index: ``[B]`` completion index of each row's root token (head ``d`` proposed index
+            ``root_index + d``); this step committed indices ``root_index + 1 .. root_index + count``.
+        z: ``[B, H, D]`` the heads' hidden states the proposals were taken from (after ``adjust``).
+        candidates: ``[B, H, K]`` each head's top-k tokens (the tree's candidates at that depth).
+        tree: the verified draft trees.
+        probs: ``[B, n, V]`` the target's sampling distribution at every tree node.
+        accepted: ``[B, D+1]`` node indices of the accepted path (root first, ``-1`` past its end).
+        emitted: ``[B, W]`` tokens committed this step after the root; the first ``count`` are real. Token ``j``
+            was sampled from ``probs[accepted[j]]``.
+        count: ``[B]`` number of committed tokens.
+        finished: ``[B]`` rows that finished this step (they leave the batch after the hooks ran).
+    """
+
+    rows: torch.Tensor
+    root_index: torch.Tensor
+    z: torch.Tensor
+    candidates: torch.Tensor
+    tree: DraftTree
+    probs: torch.Tensor
+    accepted: torch.Tensor
+    emitted: torch.Tensor
+    count: torch.Tensor
+    finished: torch.Tensor
+
+
+class StepHook:
+    """Base class: every method is a no-op, override what you need."""
+
+    def start(self, batch_size: int, num_heads: int, hidden_size: int, lm_head: torch.nn.Module) -> None:
+        """A new ``generate`` call: reset all per-row state for ``batch_size`` fresh rows."""
+
+    def adjust(self, rows: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Return the hidden states (``[B, H, D]``) the heads' candidates are taken from."""
+        return z
+
+    def feedback(self, step: StepFeedback) -> None:
+        """Consume one step's verification results."""
+
+    def metrics(self) -> dict[str, float]:
+        """Aggregates since ``start`` (merged into the engine's stats)."""
+        return {}

@@ -374,12 +374,15 @@ import os
 
 import datasets
 
-_LOCAL = {LOCAL!r}
+_ROOT = os.environ.get("TRL_PEER_DATASETS")  # set by trl_peer_suite.py: <hub>/datasets
+_IDS = {IDS!r}
 _original_load_dataset = datasets.load_dataset
 
 
 def _load_dataset(path, *args, **kwargs):
-    return _original_load_dataset(_LOCAL.get(path, path), *args, **kwargs)
+    if _ROOT and path in _IDS:
+        path = os.path.join(_ROOT, path)
+    return _original_load_dataset(path, *args, **kwargs)
 
 
 datasets.load_dataset = _load_dataset
@@ -421,9 +424,8 @@ def pytest_collection_modifyitems(session, config, items):
 '''
 
 
-def write_conftest(peer: Path, datasets_root: Path) -> None:
-    local = {i: str(datasets_root / i) for i in DATASET_IDS}
-    (peer / "conftest.py").write_text(CONFTEST.replace("{LOCAL!r}", repr(local)).replace("{{", "{").replace("}}", "}"))
+def write_conftest(peer: Path) -> None:
+    (peer / "conftest.py").write_text(CONFTEST.replace("{IDS!r}", repr(DATASET_IDS)).replace("{{", "{").replace("}}", "}"))
 
 
 # ---------------------------------------------------------------------------------------------- 5. pytest
@@ -462,6 +464,7 @@ def run_pytest(label: str, peer: Path, hub: Path, substitute: bool, k: str | Non
     if k:
         cmd += ["-k", k]
     env["PEER_REPORT"] = str(report)
+    env["TRL_PEER_DATASETS"] = str(hub / "datasets")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hub / "_plugin"), env.get("PYTHONPATH")) if p)
     write_report_plugin(hub / "_plugin")
     log(f"{label}: {' '.join(cmd)}")
@@ -470,6 +473,15 @@ def run_pytest(label: str, peer: Path, hub: Path, substitute: bool, k: str | Non
     with open(log_path, "w") as fh:
         rc = subprocess.run(cmd, cwd=peer, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
     seconds = time.time() - start
+    result = load_report(report, seconds)
+    (hub / f"seconds_{label}.txt").write_text(f"{seconds:.0f}\n")
+    log(f"{label}: rc={rc} {seconds:.0f}s {result['counts']} (log {log_path})")
+    if not result["outcomes"]:
+        raise SystemExit(f"{label}: pytest reported no test (rc={rc}); see {log_path}")
+    return result
+
+
+def load_report(report: Path, seconds: float) -> dict:
     outcomes = {}
     for line in report.read_text().splitlines() if report.exists() else []:
         row = json.loads(line)
@@ -477,10 +489,7 @@ def run_pytest(label: str, peer: Path, hub: Path, substitute: bool, k: str | Non
     counts = {}
     for row in outcomes.values():
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
-    log(f"{label}: rc={rc} {seconds:.0f}s {counts} (log {log_path})")
-    if not outcomes:
-        raise SystemExit(f"{label}: pytest reported no test (rc={rc}); see {log_path}")
-    return dict(outcomes=outcomes, counts=counts, seconds=seconds, rc=rc)
+    return dict(outcomes=outcomes, counts=counts, seconds=seconds)
 
 
 REPORT_PLUGIN = '''
@@ -548,7 +557,8 @@ def main() -> int:
     os.environ.update(HF_HOME=str(args.hub), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     checkout(args.trl_git, args.ref, args.peer)
     build_hub(args.peer, args.hub)
-    write_conftest(args.peer, build_datasets(args.peer, args.hub))
+    build_datasets(args.peer, args.hub)
+    write_conftest(args.peer)
     if args.only == "setup":
         return 0
     extra = ensure_timeout_plugin(args.hub)
@@ -556,6 +566,11 @@ def main() -> int:
     for label, substitute in (("base", False), ("spec", True)):
         if args.only in (label, "both"):
             results[label] = run_pytest(label, args.peer, args.hub, substitute, args.k, args.timeout, extra)
+        elif (args.hub / f"report_{label}.jsonl").exists():  # compare with the other side's last run
+            seconds_file = args.hub / f"seconds_{label}.txt"
+            seconds = float(seconds_file.read_text()) if seconds_file.exists() else 0.0
+            results[label] = load_report(args.hub / f"report_{label}.jsonl", seconds)
+            log(f"{label}: using the previous run's {args.hub / f'report_{label}.jsonl'}")
     print()
     for label, r in results.items():
         c = r["counts"]

@@ -90,7 +90,9 @@ class TargetDistribution:
             tokens = scores.argmax(-1)
             return tokens, torch.nn.functional.one_hot(tokens, scores.shape[-1]).float()
         probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1).squeeze(-1), probs
+        # Exponential race (argmax p_i / E_i, E_i ~ Exp(1)): an exact categorical sample, cheaper than multinomial.
+        race = torch.empty_like(probs).exponential_(1.0)
+        return (probs / race).argmax(-1), probs
 
     def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """What TRL recomputes: ``log_softmax(logits / T)`` in fp32."""

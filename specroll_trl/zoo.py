@@ -300,7 +300,7 @@ def preset_distill_config(preset: str):
 
     if preset == "nano":
         return HeadDistillConfig(num_samples=320, max_new_tokens=128, steps=300, batch_size=512)
-    return HeadDistillConfig(num_samples=768, max_new_tokens=192, steps=800, batch_size=1024)
+    return HeadDistillConfig(num_samples=1536, max_new_tokens=192, steps=2400, batch_size=1024)
 
 
 def task_prompt_ids(tokenizer, task: str, n: int, seed: int) -> list[list[int]]:

@@ -43,7 +43,7 @@ class ReflexConfig:
     eta: float = 1.0
     lam: float = 0.5
     rho_min: float = 0.2
-    rho_decay: float = 0.5
+    rho_decay: float = 0.8
     kappa: float = 0.5
     dist_weight: float = 1.0
     cov_weight: float = 1.0

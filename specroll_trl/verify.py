@@ -105,8 +105,8 @@ def expected_accepted(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
     The sample-then-match walk accepts node ``v`` exactly when every edge on its path matches, so this is
     the expectation of the realised accepted length; a lossy or biased verifier drifts away from it.
     """
-    edge = probs.gather(1, tree.parent.clamp(min=0)[..., None].expand(-1, -1, probs.shape[-1]))
-    edge = edge.gather(2, tree.tokens[..., None]).squeeze(2)  # p_parent(v)(token_v), [B, n]
+    rows = torch.arange(probs.shape[0], device=probs.device)[:, None]
+    edge = probs[rows, tree.parent.clamp(min=0), tree.tokens]  # p_parent(v)(token_v), [B, n]
     log_edge = edge.clamp(min=1e-30).log()
     log_edge[:, 0] = 0.0  # the root is always committed
     log_path = torch.bmm(tree.ancestors.float(), log_edge[..., None]).squeeze(-1)

@@ -1,0 +1,134 @@
+"""Reflex: bounded corrections, a gate that stays shut on noise and opens on persistent error, no state
+leaking between rows or calls, and the engine's exactness with Reflex on."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from specroll_trl.engine import SpeculativeGenerator
+from specroll_trl.hooks import StepFeedback
+from specroll_trl.reflex import Reflex, ReflexConfig
+from specroll_trl.tree import DraftTree
+
+from .conftest import left_padded, make_model
+from .test_engine import PROMPTS, chi_square_pvalue, engine_samples, exact_completion_distribution, noisy_heads
+
+V, D, H = 128, 64, 2
+
+
+def started(config=None, batch=3):
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(D, V, bias=False)
+    reflex = Reflex(config or ReflexConfig())
+    reflex.start(batch, H, D, lm_head)
+    return reflex, lm_head
+
+
+def one_step(rows, z, p, candidates):
+    """A step in which every row committed exactly its root's successor (count 1, no draft accepted)."""
+    b = len(rows)
+    tree = DraftTree(torch.zeros((b, 1), dtype=torch.long), torch.zeros((b, 1), dtype=torch.long),
+                     torch.full((b, 1), -1), torch.ones((b, 1, 1), dtype=torch.bool), torch.zeros((b, 1, H + 1)))
+    return tree, p[:, None, :]
+
+
+def feed(reflex, rows, index, z, p, candidates):
+    tree, probs = one_step(rows, z, p, candidates)
+    reflex.feedback(StepFeedback(rows=rows, root_index=torch.full((len(rows),), index), z=z, candidates=candidates,
+                                 tree=tree, probs=probs, accepted=torch.zeros((len(rows), 1), dtype=torch.long),
+                                 emitted=torch.zeros((len(rows), 1), dtype=torch.long),
+                                 count=torch.ones(len(rows), dtype=torch.long),
+                                 finished=torch.zeros(len(rows), dtype=torch.bool)))
+
+
+def test_corrections_never_exceed_the_bound():
+    reflex, _ = started(ReflexConfig(eta=50.0, kappa=0.3, rho_min=0.0))
+    reflex.memory.normal_(0, 10)
+    reflex.rho.fill_(1.0)
+    z = torch.randn(3, H, D)
+    out = reflex.adjust(torch.arange(3), z)
+    ratio = (out - z).norm(dim=-1) / z.norm(dim=-1)
+    assert (ratio <= 0.3 + 1e-5).all() and (ratio > 0.29).all()
+
+
+def test_noise_feedback_keeps_the_gate_shut_and_proposals_unchanged():
+    reflex, _ = started()
+    rows = torch.arange(3)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(60):
+        z = torch.randn(3, H, D, generator=gen)
+        p = torch.softmax(3 * torch.randn(3, V, generator=gen), -1)
+        feed(reflex, rows, i, z, p, torch.randint(0, V, (3, H, 2), generator=gen))
+        z_next = torch.randn(3, H, D, generator=gen)
+        assert torch.equal(reflex.adjust(rows, z_next), z_next)
+    assert reflex.metrics()["reflex_gate"] == 0.0
+
+
+def test_persistent_mismatch_opens_the_gate_and_improves_the_head():
+    reflex, lm_head = started(ReflexConfig(eta=4.0, kappa=1.0))
+    rows = torch.arange(1)
+    target = 7
+    p = torch.zeros(1, V)
+    p[0, target] = 1.0
+    z = torch.randn(1, H, D)
+    with torch.no_grad():
+        before = torch.softmax(lm_head(z), -1)[0, :, target]
+    for i in range(12):
+        z_used = reflex.adjust(rows, z)
+        cand = lm_head(z_used).topk(2, -1).indices
+        feed(reflex, rows, i, z_used, p, cand)
+    gate = reflex.gate(rows)
+    assert (gate > 0.5).all()
+    with torch.no_grad():
+        after = torch.softmax(lm_head(reflex.adjust(rows, z)), -1)[0, :, target]
+    assert (after > before).all()
+
+
+def test_state_is_per_row_and_reset_per_call():
+    reflex, lm_head = started(batch=2)
+    p = torch.zeros(1, V)
+    p[0, 3] = 1.0
+    for i in range(8):
+        feed(reflex, torch.tensor([0]), i, torch.randn(1, H, D), p, torch.zeros((1, H, 2), dtype=torch.long))
+    assert reflex.memory[0].abs().sum() > 0 and reflex.memory[1].abs().sum() == 0
+    z = torch.randn(1, H, D)
+    assert torch.equal(reflex.adjust(torch.tensor([1]), z), z)
+    reflex.start(2, H, D, lm_head)
+    assert reflex.memory.abs().sum() == 0 and reflex.rho.abs().sum() == 0
+
+
+def test_invalid_reflex_config():
+    with pytest.raises(ValueError, match="lam"):
+        ReflexConfig(lam=1.0)
+    with pytest.raises(ValueError, match="support_k"):
+        ReflexConfig(support_k=0)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0, top_k=0), dict(temperature=0.7, top_k=0, min_p=0.15,
+                                                                             repetition_penalty=1.5)])
+def test_engine_stays_exact_with_reflex_on(settings, monkeypatch):
+    model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
+    heads = noisy_heads(model, std=0.4, seed=1)
+    gc = GenerationConfig(do_sample=True, max_new_tokens=3, eos_token_id=1, pad_token_id=0, **settings)
+    original = SpeculativeGenerator.__init__
+
+    def with_reflex(self, *args, **kwargs):
+        original(self, *args, hooks=[Reflex(ReflexConfig(eta=5.0, rho_min=-1.0 + 1e-3))], **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "__init__", with_reflex)
+    samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=7)
+    assert stats["reflex_feedback"] > 0 and stats["reflex_norm"] > 0  # corrections really happened
+    for prompt, rows in zip(PROMPTS, samples):
+        assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
+
+
+def test_engine_with_reflex_greedy_equals_generate():
+    model = make_model(vocab=40, scale=4.0, seed=3)
+    heads = noisy_heads(model, std=0.3)
+    ids, mask = left_padded([[5, 6, 7, 8], [3, 4], [9]])
+    gc = GenerationConfig(do_sample=False, max_new_tokens=25, eos_token_id=1, pad_token_id=0)
+    out = SpeculativeGenerator(model, heads, gc, capacity=64, hooks=[Reflex(ReflexConfig(rho_min=-0.99))]).generate(
+        ids, mask)
+    ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)[:, ids.shape[1]:].tolist()
+    ref = [r[: next((i + 1 for i, t in enumerate(r) if t == 1), len(r))] for r in ref]
+    assert out.completion_ids == ref

@@ -223,3 +223,92 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
         "num_generations": num_generations, "prompts_per_step": prompts_per_step,
         "max_completion_length": max_completion_length, "model": model_name,
     }]
+
+
+def drifted_policy(model_name: str, grpo_steps: int, lr: float = 5e-5, progress: bool = True) -> str:
+    """The policy after ``grpo_steps`` of plain GRPO on its task (cached): its zoo heads are now stale."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from .data import make_arithmetic_task
+    from .rewards import REWARD_FUNCS
+    from .zoo import resolve_policy, zoo_home
+
+    out = zoo_home() / "drifted" / f"{model_name}-grpo{grpo_steps}-lr{lr:g}"
+    if (out / "config.json").is_file():
+        return str(out)
+    args = GRPOConfig(output_dir=str(out) + ".run", max_steps=grpo_steps, num_generations=8,
+                      per_device_train_batch_size=32, max_completion_length=192, learning_rate=lr, logging_steps=1,
+                      report_to="none", bf16=False, save_strategy="no", seed=0, disable_tqdm=not progress,
+                      beta=0.0)
+    trainer = GRPOTrainer(model=str(resolve_policy(model_name)), reward_funcs=REWARD_FUNCS, args=args,
+                          train_dataset=make_arithmetic_task(grpo_steps * 4, seed=99))
+    trainer.train()
+    trainer.save_model(str(out))
+    trainer.processing_class.save_pretrained(str(out))
+    return str(out)
+
+
+def perturbed_policy(model, scale: float = 0.05, seed: int = 0):
+    """A copy of ``model`` whose last MLP output projection got Gaussian noise: a persistent local mismatch."""
+    import copy
+
+    target = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    weight = target.model.layers[-1].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.add_(torch.randn(weight.shape, generator=gen) * scale * weight.std())
+    return target
+
+
+def bench_reflex(model_name: str = DEFAULT_PRESET, grpo_steps: int = 8, batch_size: int = 8, repeats: int = 3,
+                 max_new_tokens: int = 192, max_nodes: int = 16, capacity: int | None = None,
+                 progress: bool = True) -> list[dict]:
+    """Reflex off vs on with stale heads: on a GRPO-drifted policy and on a perturbed target (alternating)."""
+    from transformers import AutoModelForCausalLM
+
+    from .reflex import Reflex
+
+    torch.set_grad_enabled(False)
+    base, tokenizer = load_policy(model_name, progress=progress)
+    heads = load_heads(model_name, progress=progress)
+    targets = {
+        f"grpo{grpo_steps}": AutoModelForCausalLM.from_pretrained(drifted_policy(model_name, grpo_steps)).eval(),
+        "perturbed": perturbed_policy(base, scale=1.0),
+        "fresh": base,
+    }
+    prompts = task_prompt_ids(tokenizer, PRESETS[model_name].task if model_name in PRESETS else "arithmetic",
+                              batch_size, seed=777)
+    ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
+    records = []
+    for target_name, model in targets.items():
+        gc = trl_generation_config(model, tokenizer, max_new_tokens)
+        runs = {"vanilla": [], "static": [], "reflex": []}
+        for r in range(repeats):
+            torch.manual_seed(r)
+            runs["vanilla"].append({"seconds": _vanilla(model, ids, mask, gc)[0]})
+            for variant in ("static", "reflex"):
+                hooks = [Reflex()] if variant == "reflex" else None
+                engine = SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity, hooks=hooks)
+                torch.manual_seed(r)
+                runs[variant].append(engine.generate(ids, mask).stats)
+        vanilla_s = statistics.median(s["seconds"] for s in runs["vanilla"])
+        static_s = statistics.median(s["seconds"] for s in runs["static"])
+        for variant in ("static", "reflex"):
+            stats = runs[variant]
+            gen_s = statistics.median(s["seconds"] for s in stats)
+            record = {
+                "variant": variant, "target": target_name, "batch_size": batch_size,
+                "tau": statistics.median(s["tau"] for s in stats),
+                "accept_per_head": [statistics.mean(s["accept_per_head"][d] for s in stats)
+                                    for d in range(heads.num_heads)],
+                "generation_s": gen_s, "total_s": gen_s, "vanilla_s": vanilla_s,
+                "speedup_vs_vanilla": vanilla_s / gen_s, "speedup_vs_static": static_s / gen_s,
+                "reflex_overhead_share": statistics.median(s.get("reflex_seconds", 0.0) / s["seconds"] for s in stats),
+                "reflex_gate": statistics.mean(s.get("reflex_gate", 0.0) for s in stats),
+            }
+            records.append(record)
+            if progress:
+                print(f"{target_name:<10} {variant:<7} tau {record['tau']:.3f}  gen {gen_s:.3f}s  "
+                      f"vs vanilla {record['speedup_vs_vanilla']:.2f}x  gate {record['reflex_gate']:.3f}  "
+                      f"overhead {100 * record['reflex_overhead_share']:.1f}%", flush=True)
+    return records

@@ -56,7 +56,17 @@ def _train_heads(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import bench_e2e, bench_generation, format_table, write_results
+    from .bench import bench_e2e, bench_generation, bench_reflex, format_table, write_results
+
+    if args.what == "ablation":
+        if args.quick:
+            records = bench_reflex(args.model, grpo_steps=4, repeats=1, max_new_tokens=128, capacity=args.capacity)
+        else:
+            records = bench_reflex(args.model, grpo_steps=args.steps, repeats=args.repeats,
+                                   max_new_tokens=args.max_new_tokens or 192, capacity=args.capacity)
+        if args.out:
+            write_results(records, args.out, plot=False)
+        return 0
 
     if args.what == "e2e":
         if args.quick:
@@ -107,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     heads.set_defaults(func=_train_heads)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON records, see README)")
-    bench.add_argument("what", choices=["generation", "e2e"])
+    bench.add_argument("what", choices=["generation", "e2e", "ablation"],
+                       help="ablation: Reflex off/on on stale heads (the slow-path variants are not built yet)")
     bench.add_argument("--model", default="tiny")
     bench.add_argument("--quick", action="store_true", help="reduced run (at most ~3 minutes on 2 cores)")
     bench.add_argument("--out", default=None, help="JSON file (a PNG is written beside it)")
@@ -115,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--max-new-tokens", type=int, default=None,
                        help="completion length (generation) / max_completion_length (e2e, default 256 there)")
-    bench.add_argument("--steps", type=int, default=4, help="GRPO steps per run (e2e)")
+    bench.add_argument("--steps", type=int, default=4,
+                       help="GRPO steps per run (e2e) / GRPO steps that make the heads stale (ablation)")
     bench.add_argument("--max-nodes", type=int, default=16)
     bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
     bench.set_defaults(func=_bench)

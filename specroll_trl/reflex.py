@@ -17,6 +17,7 @@ Reflex only changes proposals, never what the verifier emits.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,7 @@ class Reflex(StepHook):
         self.pending_cand = None
         self._gate_sum = self._norm_sum = 0.0
         self._gate_n = self._feedback_n = 0
+        self._seconds = 0.0
 
     def gate(self, rows: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -86,6 +88,7 @@ class Reflex(StepHook):
 
     @torch.no_grad()
     def adjust(self, rows, z):
+        start = time.perf_counter()
         g = self.gate(rows)
         step = self.config.eta * g[..., None] * self.memory[rows]
         z_norm = z.float().norm(dim=-1, keepdim=True)
@@ -94,10 +97,17 @@ class Reflex(StepHook):
         self._gate_sum += float(g.sum())
         self._norm_sum += float((step.norm(dim=-1) / z_norm.squeeze(-1).clamp(min=1e-12)).sum())
         self._gate_n += g.numel()
-        return (z.float() + step).to(z.dtype)
+        out = (z.float() + step).to(z.dtype)
+        self._seconds += time.perf_counter() - start
+        return out
 
     @torch.no_grad()
     def feedback(self, step: StepFeedback):
+        start = time.perf_counter()
+        self._feedback(step)
+        self._seconds += time.perf_counter() - start
+
+    def _feedback(self, step: StepFeedback):
         rows, heads = step.rows, self.memory.shape[1]
         if self.pending_cand is None and step.candidates is not None:
             self.pending_cand = torch.full((*self.pending_index.shape, step.candidates.shape[-1]), -1,
@@ -155,4 +165,5 @@ class Reflex(StepHook):
             "reflex_gate": self._gate_sum / max(1, self._gate_n),
             "reflex_norm": self._norm_sum / max(1, self._gate_n),
             "reflex_feedback": float(self._feedback_n),
+            "reflex_seconds": self._seconds,
         }

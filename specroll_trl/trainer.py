@@ -23,6 +23,7 @@ from trl.trainer.utils import pad
 
 from .engine import SpeculativeGenerator
 from .heads import SpeculativeHeads
+from .reflex import Reflex, ReflexConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,18 @@ class SpecGRPOConfig(GRPOConfig):
     )
     spec_distill_samples: int = field(default=256, metadata={"help": "Policy samples for the initial distillation."})
     spec_distill_steps: int = field(default=300, metadata={"help": "Optimiser steps of the initial distillation."})
+    spec_reflex: bool = field(
+        default=False,
+        metadata={"help": "Enable Reflex, the gradient-free per-trajectory correction of the heads (SPEC 2.5)."},
+    )
+    spec_reflex_eta: float = field(default=1.0, metadata={"help": "Reflex correction step size."})
+    spec_reflex_lam: float = field(default=0.5, metadata={"help": "Reflex memory EMA factor."})
+    spec_reflex_rho_min: float = field(default=0.2, metadata={"help": "Reflex gate threshold on reliability."})
+    spec_reflex_rho_decay: float = field(default=0.8, metadata={"help": "EMA factor of Reflex's reliability."})
+    spec_reflex_kappa: float = field(default=0.5, metadata={"help": "Bound of the correction norm relative to ||z||."})
+    spec_reflex_dist_weight: float = field(default=1.0, metadata={"help": "Weight of Reflex's distribution error."})
+    spec_reflex_cov_weight: float = field(default=1.0, metadata={"help": "Weight of Reflex's coverage error."})
+    spec_reflex_support_k: int = field(default=8, metadata={"help": "Top-K support of Reflex's error terms."})
     spec_fallback_to_generate: bool = field(
         default=True,
         metadata={"help": "On a model the engine cannot run (e.g. FlashAttention-2 only), log and use generate."},
@@ -85,9 +98,17 @@ class SpecGRPOConfig(GRPOConfig):
             raise ValueError(f"spec_max_nodes must be >= 0, got {self.spec_max_nodes}")
         if self.spec_capacity is not None and self.spec_capacity < 1:
             raise ValueError(f"spec_capacity must be >= 1 or None, got {self.spec_capacity}")
+        if self.spec_reflex:
+            reflex_config_from(vars(self))  # validates the spec_reflex_* values now, not at the first rollout
 
 
 SPEC_DEFAULTS = {f.name: f.default for f in fields(SpecGRPOConfig) if f.name.startswith("spec_")}
+
+
+def reflex_config_from(spec_args: dict) -> ReflexConfig:
+    """The ``ReflexConfig`` described by ``spec_reflex_*`` fields."""
+    names = [f.name for f in fields(ReflexConfig)]
+    return ReflexConfig(**{n: spec_args[f"spec_reflex_{n}"] for n in names})
 
 
 class SpecGRPOTrainer(GRPOTrainer):
@@ -160,6 +181,7 @@ class SpecGRPOTrainer(GRPOTrainer):
                 model, self.spec_heads, self.generation_config, topk_per_head=self.spec_args["spec_topk_per_head"],
                 max_nodes=self.spec_args["spec_max_nodes"], capacity=self.spec_args["spec_capacity"],
                 fallback_to_generate=self.spec_args["spec_fallback_to_generate"],
+                hooks=[Reflex(reflex_config_from(self.spec_args))] if self.spec_args["spec_reflex"] else None,
             )
             self._spec_engine = engine
         return engine
@@ -206,6 +228,9 @@ class SpecGRPOTrainer(GRPOTrainer):
         nodes, active = stats.get("nodes_per_row") or [0], stats.get("active_rows") or [0]
         metrics["spec/tree_nodes_per_row"].append(sum(nodes) / len(nodes))
         metrics["spec/active_rows"].append(sum(active) / len(active))
+        for key in ("reflex_gate", "reflex_norm"):
+            if key in stats:
+                metrics[f"spec/{key}"].append(float(stats[key]))
         for d, rate in enumerate(stats.get("accept_per_head", [])):
             metrics[f"spec/accept_head_{d + 1}"].append(rate)
 

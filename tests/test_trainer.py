@@ -106,6 +106,12 @@ def test_peft_policy(nano, tmp_path, dataset):
     assert not head_params & {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
 
 
+def test_reflex_metrics_are_logged(nano, tmp_path, dataset):
+    trainer = run(SpecGRPOTrainer, small_args(tmp_path, spec_reflex=True, max_steps=1), dataset)
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    assert 0.0 <= row["spec/reflex_gate"] <= 1.0 and row["spec/reflex_norm"] >= 0.0
+
+
 def test_spec_disabled_uses_trl_generate(nano, tmp_path, dataset):
     trainer = run(SpecGRPOTrainer, small_args(tmp_path, spec_enabled=False, max_steps=1), dataset)
     assert not any(k.startswith("spec/") for k in logged_keys(trainer))
@@ -118,6 +124,8 @@ def test_invalid_spec_config_values():
         SpecGRPOConfig(output_dir="x", spec_init_heads="random", bf16=False)
     with pytest.raises(ValueError, match="spec_capacity"):
         SpecGRPOConfig(output_dir="x", spec_capacity=0, bf16=False)
+    with pytest.raises(ValueError, match="lam"):
+        SpecGRPOConfig(output_dir="x", spec_reflex=True, spec_reflex_lam=2.0, bf16=False)
 
 
 def test_two_process_accelerate_launch(nano, tmp_path):

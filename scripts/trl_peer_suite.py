@@ -429,17 +429,27 @@ def write_conftest(peer: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- 5. pytest
-def ensure_timeout_plugin(hub: Path) -> str | None:
+def ensure_test_deps(hub: Path) -> str | None:
+    """pytest-timeout (per-test timeout) and jmespath (un-skips TRL's tool/environment tests), pip-installed with
+    --target into <hub>/_pydeps so the project venv is left as it is. None: pytest-timeout is unavailable."""
+    target = hub / "_pydeps"
+    wanted = {"pytest-timeout": "pytest_timeout", "jmespath": "jmespath"}
+    missing = []
+    for dist, module in wanted.items():
+        try:
+            __import__(module)
+        except ImportError:
+            if not (target / module).exists() and not (target / f"{module}.py").exists():
+                missing.append(dist)
+    if missing:
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                            *missing], capture_output=True, text=True)
+        if r.returncode != 0:
+            log(f"could not install {missing}: {r.stderr.strip()[-300:]}")
     try:
         import pytest_timeout  # noqa: F401
-        return ""
     except ImportError:
-        pass
-    target = hub / "_pydeps"
-    if not (target / "pytest_timeout.py").exists():
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                            "pytest-timeout"], capture_output=True, text=True)
-        if r.returncode != 0:
+        if not (target / "pytest_timeout.py").exists():
             log("pytest-timeout not installable; running without per-test timeout")
             return None
     return str(target)
@@ -452,7 +462,7 @@ def run_pytest(label: str, peer: Path, hub: Path, substitute: bool, k: str | Non
                SPECROLL_SUBSTITUTE="1" if substitute else "0", PYTHONDONTWRITEBYTECODE="1",
                # one thread: with tiny models, intra-op threading on a shared 2-core box costs ~20x wall time
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    if extra_path:
+    if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
     report = hub / f"report_{label}.jsonl"
     cmd = [sys.executable, "-m", "pytest", TEST_FILE, "-p", "no:cacheprovider", "-q", "-rfE", "--tb=line",
@@ -561,7 +571,7 @@ def main() -> int:
     write_conftest(args.peer)
     if args.only == "setup":
         return 0
-    extra = ensure_timeout_plugin(args.hub)
+    extra = ensure_test_deps(args.hub)
     results = {}
     for label, substitute in (("base", False), ("spec", True)):
         if args.only in (label, "both"):

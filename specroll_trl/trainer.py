@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import trl
-from transformers import Trainer
+from transformers import GenerationMixin, Trainer
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
@@ -186,11 +186,18 @@ class SpecGRPOTrainer(GRPOTrainer):
             self._spec_engine = engine
         return engine
 
+    def _custom_generate(self) -> bool:
+        """True when the policy's ``generate`` was replaced (patched on the instance, as tests that mock it do, or
+        overridden by its class): its semantics are the user's, so generation goes through it, unchanged."""
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return "generate" in vars(model) or type(model).generate is not GenerationMixin.generate
+
     # ------------------------------------------------------------------ the one overridden TRL hook
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if (not self.spec_args["spec_enabled"] or self.use_vllm or self.use_transformers_continuous_batching
                 or images is not None and any(img is not None for img in images) or multimodal_fields
-                or has_tool_images):
+                or has_tool_images or self._custom_generate()):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         device = self.accelerator.device

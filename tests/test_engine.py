@@ -194,12 +194,19 @@ def test_chi_square_detects_a_biased_verifier(monkeypatch):
     assert stats["accepted"] > 1.2 * stats["expected_accepted"]
 
 
-def test_mean_accepted_length_matches_tree_path_probability(nano):
-    model, tokenizer, heads = nano
-    prompts = task_prompt_ids(tokenizer, "arithmetic", 96, seed=779)
+def nano_sampling_inputs(nano, num_prompts, seed, **generation):
+    """Left-padded task prompts for the nano policy and a sampling GenerationConfig with its eos/pad."""
+    model, tokenizer, _ = nano
+    prompts = task_prompt_ids(tokenizer, "arithmetic", num_prompts, seed=seed)
     ids, mask = left_padded(prompts, tokenizer.pad_token_id)
-    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=96,
-                          eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    gc = GenerationConfig(do_sample=True, top_k=0, eos_token_id=model.generation_config.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, **generation)
+    return prompts, ids, mask, gc
+
+
+def test_mean_accepted_length_matches_tree_path_probability(nano):
+    model, _, heads = nano
+    _, ids, mask, gc = nano_sampling_inputs(nano, 96, seed=779, temperature=1.0, max_new_tokens=96)
     torch.manual_seed(0)
     stats = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=10).generate(ids, mask).stats
     accepted, expected = stats["accepted"], stats["expected_accepted"]
@@ -400,11 +407,8 @@ def test_nan_logits_name_step_and_row():
 
 
 def test_logprobs_are_target_log_softmax_over_temperature(nano):
-    model, tokenizer, heads = nano
-    prompts = task_prompt_ids(tokenizer, "arithmetic", 4, seed=780)
-    ids, mask = left_padded(prompts, tokenizer.pad_token_id)
-    gc = GenerationConfig(do_sample=True, temperature=0.8, top_k=0, max_new_tokens=24,
-                          eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model, _, heads = nano
+    prompts, ids, mask, gc = nano_sampling_inputs(nano, 4, seed=780, temperature=0.8, max_new_tokens=24)
     out = SpeculativeGenerator(model, heads, gc, capacity=256, return_logprobs=True).generate(ids, mask)
     for b, (prompt, completion) in enumerate(zip(prompts, out.completion_ids)):
         full = torch.tensor([prompt + completion])

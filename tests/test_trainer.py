@@ -112,6 +112,24 @@ def test_reflex_metrics_are_logged(nano, tmp_path, dataset):
     assert 0.0 <= row["spec/reflex_gate"] <= 1.0 and row["spec/reflex_norm"] >= 0.0
 
 
+def test_a_patched_generate_is_honoured(nano, tmp_path, dataset):
+    """Tests that mock `model.generate` (as TRL's own do) keep testing what they mean with the subclass."""
+    calls = []
+    trainer = SpecGRPOTrainer(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS,
+                              args=small_args(tmp_path, max_steps=1), train_dataset=dataset)
+    model = trainer.model
+    original = model.generate
+
+    def mocked(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.generate = mocked
+    trainer.train()
+    assert calls
+    assert not any(k.startswith("spec/") for k in logged_keys(trainer))
+
+
 def test_spec_disabled_uses_trl_generate(nano, tmp_path, dataset):
     trainer = run(SpecGRPOTrainer, small_args(tmp_path, spec_enabled=False, max_steps=1), dataset)
     assert not any(k.startswith("spec/") for k in logged_keys(trainer))

@@ -116,7 +116,8 @@ def engine_samples(model, heads, gc, n_per_prompt, seed):
     prompts = [p for p in PROMPTS for _ in range(n_per_prompt)]
     ids, mask = left_padded(prompts)
     torch.manual_seed(seed)
-    eng = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=7, topk_per_head=2)
+    eng = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=7, topk_per_head=2,
+                               track_expected_acceptance=True)
     out = eng.generate(ids, mask)
     return [out.completion_ids[i * n_per_prompt : (i + 1) * n_per_prompt] for i in range(len(PROMPTS))], out.stats
 
@@ -208,7 +209,8 @@ def test_mean_accepted_length_matches_tree_path_probability(nano):
     model, _, heads = nano
     _, ids, mask, gc = nano_sampling_inputs(nano, 96, seed=779, temperature=1.0, max_new_tokens=96)
     torch.manual_seed(0)
-    stats = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=10).generate(ids, mask).stats
+    stats = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=10,
+                                 track_expected_acceptance=True).generate(ids, mask).stats
     accepted, expected = stats["accepted"], stats["expected_accepted"]
     assert expected > 500
     # accepted counts per row-step are bounded by the depth (4): the sum's std is below 2*sqrt(row steps)

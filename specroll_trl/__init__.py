@@ -1,5 +1,6 @@
 """specroll-trl: exact batched speculative rollouts for TRL's GRPOTrainer."""
 
+from . import zoo
 from .distill import HeadDistillConfig, distill_heads
 from .engine import GenerationOutput, SpeculativeConfig, SpeculativeGenerator, profile_capacity
 from .heads import SpeculativeHeads, SpeculativeHeadsConfig
@@ -18,4 +19,5 @@ __all__ = [
     "SpeculativeHeadsConfig",
     "distill_heads",
     "profile_capacity",
+    "zoo",
 ]

@@ -73,7 +73,8 @@ def _bench(args) -> int:
             records = bench_e2e(args.model, steps=2, repeats=1, prompts_per_step=2, max_completion_length=128)
         else:
             records = bench_e2e(args.model, steps=args.steps, repeats=args.repeats,
-                                max_completion_length=args.max_new_tokens or 256)
+                                max_completion_length=args.max_new_tokens or 256,
+                                prompts_per_step=args.prompts_per_step)
         for key, value in records[0].items():
             print(f"{key:>24}: {value}")
         if args.out:
@@ -128,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="completion length (generation) / max_completion_length (e2e, default 256 there)")
     bench.add_argument("--steps", type=int, default=4,
                        help="GRPO steps per run (e2e) / GRPO steps that make the heads stale (ablation)")
+    bench.add_argument("--prompts-per-step", type=int, default=4,
+                       help="e2e: prompts per GRPO step (x 8 completions = rows generating together)")
     bench.add_argument("--max-nodes", type=int, default=16)
     bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
     bench.set_defaults(func=_bench)

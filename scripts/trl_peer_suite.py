@@ -425,7 +425,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def write_conftest(peer: Path) -> None:
-    (peer / "conftest.py").write_text(CONFTEST.replace("{IDS!r}", repr(DATASET_IDS)).replace("{{", "{").replace("}}", "}"))
+    text = CONFTEST.replace("{IDS!r}", repr(DATASET_IDS)).replace("{{", "{").replace("}}", "}")
+    (peer / "conftest.py").write_text(text)
 
 
 # ---------------------------------------------------------------------------------------------- 5. pytest

@@ -28,6 +28,8 @@ from .verify import TargetDistribution, expected_accepted, match_tree
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
+# Layer kinds whose cache cannot hold a ragged tree (windowed, chunked or recurrent state); MLP/MoE kinds are fine.
+UNSUPPORTED_LAYER_KINDS = ("sliding", "chunk", "linear", "mamba", "recurrent", "ssm", "conv")
 
 
 @dataclass
@@ -93,7 +95,7 @@ def check_model_supported(model) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("encoder-decoder models are not supported by the speculative engine")
     layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if t != "full_attention"})
+    odd = sorted({t for t in layer_types if any(k in str(t) for k in UNSUPPORTED_LAYER_KINDS)})
     if odd:
         raise ValueError(f"layer types {odd} (sliding-window or recurrent) are not supported; need full attention")
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):

@@ -8,6 +8,7 @@ PEFT and sharding never see them; they are saved with every checkpoint and the f
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 TESTED_TRL = "1.16"
 HEADS_SUBDIR = "spec_heads"
+_HF_GENERATE = GenerationMixin.generate  # captured at import, before any test can patch it
 
 if not trl.__version__.startswith(TESTED_TRL + "."):
     raise ImportError(
@@ -191,7 +193,8 @@ class SpecGRPOTrainer(GRPOTrainer):
         overridden by its class): its semantics are the user's, so generation goes through it, unchanged."""
         model = self.accelerator.unwrap_model(self.model)
         model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return "generate" in vars(model) or type(model).generate is not GenerationMixin.generate
+        generate = type(model).generate  # a class-level patch replaces GenerationMixin.generate itself
+        return "generate" in vars(model) or generate is not _HF_GENERATE or not inspect.isfunction(generate)
 
     # ------------------------------------------------------------------ the one overridden TRL hook
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -346,6 +346,11 @@ def test_unsupported_models_are_detected():
     with pytest.raises(ValueError, match="flash_attention_2"):
         check_model_supported(model)
     model = make_model()
+    model.config.layer_types = ["full_attention", "moe"]  # feed-forward kinds are fine
+    check_model_supported(model)
+    model.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match="linear_attention"):
+        check_model_supported(model)
     model.config.layer_types = ["sliding_attention", "full_attention"]
     with pytest.raises(ValueError, match="sliding"):
         SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), model.generation_config)

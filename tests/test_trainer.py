@@ -139,6 +139,21 @@ def test_multiple_iterations_steps_per_generation_and_gradient_checkpointing(nan
     assert sum("spec/tau" in r for r in rows) >= 1  # one generation round serves several optimizer steps
 
 
+def test_a_class_level_patched_generate_is_honoured(nano, tmp_path, dataset, monkeypatch):
+    from transformers.generation.utils import GenerationMixin
+
+    calls = []
+    original = GenerationMixin.generate
+
+    def mocked(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", mocked)
+    trainer = run(SpecGRPOTrainer, small_args(tmp_path, max_steps=1), dataset)
+    assert calls and not any(k.startswith("spec/") for k in logged_keys(trainer))
+
+
 def test_spec_disabled_uses_trl_generate(nano, tmp_path, dataset):
     trainer = run(SpecGRPOTrainer, small_args(tmp_path, spec_enabled=False, max_steps=1), dataset)
     assert not any(k.startswith("spec/") for k in logged_keys(trainer))

@@ -55,11 +55,11 @@ def _prompt_lookup(model, ids, mask, gc) -> tuple[float, int]:
     return seconds, out.shape[1] - ids.shape[1]
 
 
+@torch.no_grad()
 def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64), repeats: int = 3,
                      max_new_tokens: int = 192, temperature: float = 1.0, max_nodes: int = 16,
                      capacity: int | None = None, task: str | None = None, progress: bool = True) -> list[dict]:
     """One record per (batch size, mode); see SPEC 4 for the fields."""
-    torch.set_grad_enabled(False)
     model, tokenizer = load_policy(model_name, progress=progress)
     heads = load_heads(model_name, progress=progress)
     task = task or (PRESETS[model_name].task if model_name in PRESETS else "arithmetic")
@@ -264,15 +264,22 @@ def bench_reflex(model_name: str = DEFAULT_PRESET, grpo_steps: int = 8, batch_si
                  max_new_tokens: int = 192, max_nodes: int = 16, capacity: int | None = None,
                  progress: bool = True) -> list[dict]:
     """Reflex off vs on with stale heads: on a GRPO-drifted policy and on a perturbed target (alternating)."""
+    drifted = drifted_policy(model_name, grpo_steps)  # trains (needs gradients); the rest only generates
+    with torch.no_grad():
+        return _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes,
+                                  capacity, progress)
+
+
+def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes, capacity,
+                       progress):
     from transformers import AutoModelForCausalLM
 
     from .reflex import Reflex
 
-    torch.set_grad_enabled(False)
     base, tokenizer = load_policy(model_name, progress=progress)
     heads = load_heads(model_name, progress=progress)
     targets = {
-        f"grpo{grpo_steps}": AutoModelForCausalLM.from_pretrained(drifted_policy(model_name, grpo_steps)).eval(),
+        f"grpo{grpo_steps}": AutoModelForCausalLM.from_pretrained(drifted).eval(),
         "perturbed": perturbed_policy(base, scale=1.0),
         "fresh": base,
     }

@@ -2,7 +2,6 @@
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -131,10 +130,10 @@ def test_zoo_builds_and_reloads_offline(nano, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder = zoo.policy_dir("nano")
     info = json.loads((folder / "build_info.json").read_text())
-    assert info["build_seconds"] < 90 and info["parameters"] > 50_000
-    start = time.time()
-    assert zoo.build_policy("nano") == folder  # cached: no rebuild
-    assert time.time() - start < 5
+    assert info["parameters"] > 50_000 and info["preset"]["name"] == "nano"
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert zoo.build_policy("nano") == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # cached: not rebuilt
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert type(model).__name__ == "Qwen2ForCausalLM"

@@ -179,3 +179,54 @@ def test_two_process_accelerate_launch(nano, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'step': 2" in proc.stdout and "spec/tau" in proc.stdout
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def test_tool_calling_loop_goes_through_the_engine_again(nano, tmp_path, monkeypatch):
+    """TRL's tool loop re-enters the generation hook with prompt + completion + tool result; the engine serves it.
+
+    The nano policy never writes tool calls, so the first rollout's completions are replaced by one; every
+    generation (first turn and after the tool result) is the engine's."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from specroll_trl.engine import SpeculativeGenerator
+
+    folder = tmp_path / "nano_chat"
+    shutil.copytree(zoo.policy_dir("nano"), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = qwen3_chat_template
+    tokenizer.save_pretrained(folder)
+    call = tokenizer('<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>',
+                     add_special_tokens=False)["input_ids"]
+    seen = []
+    real_generate = SpeculativeGenerator.generate
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None):
+        out = real_generate(self, input_ids, attention_mask, max_new_tokens)
+        seen.append([tokenizer.decode(row[mask.bool()]) for row, mask in zip(input_ids, attention_mask)])
+        if len(seen) == 1:
+            out.completion_ids = [list(call) for _ in out.completion_ids]
+        return out
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", generate)
+    dataset = make_arithmetic_task(8, seed=4, conversational=True)
+    trainer = SpecGRPOTrainer(model=str(folder), reward_funcs=REWARD_FUNCS, train_dataset=dataset, tools=[multiply],
+                              args=small_args(tmp_path, max_steps=1, max_completion_length=192,
+                                              max_tool_calling_iterations=1))
+    trainer.train()
+    assert len(seen) >= 2  # the tool loop called the speculative hook again
+    assert all("12" in text for text in seen[1])  # ... with the tool's result in the new prompt
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    assert math.isfinite(row["loss"]) and row["spec/tau"] >= 1.0

@@ -231,7 +231,7 @@ class SpeculativeGenerator:
             return self._fallback(input_ids, attention_mask, gen, max_new, start)
         gen.max_new_tokens = max_new
         device = input_ids.device
-        batch, prompt_len = input_ids.shape
+        batch = input_ids.shape[0]
         target = TargetDistribution(self.model, gen, attention_mask)
         eos = torch.tensor(self._eos_ids(target.generation_config), device=device, dtype=torch.long)
         pad_len = (attention_mask != 0).int().argmax(1)
@@ -295,8 +295,7 @@ class SpeculativeGenerator:
                     z = hook.adjust(rows, z)
                 head_logp = torch.log_softmax(self.lm_head(z).float(), dim=-1)
                 topk_logp, topk_ids = head_logp.topk(self.config.topk_per_head, dim=-1)
-            tree = select_tree(root, topk_ids, topk_logp, self.table, num_nodes) if num_nodes else \
-                select_tree(root, root[:, None, None].expand(-1, self.heads.num_heads, 1), None, self.table, 0)
+            tree = select_tree(root, topk_ids, topk_logp, self.table, num_nodes)
 
             n = tree.size
             out = self.model(

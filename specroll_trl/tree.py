@@ -82,18 +82,18 @@ class DraftTree:
         return self.tokens.shape[1]
 
 
-def select_tree(root: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor, table: PathTable,
-                num_nodes: int) -> DraftTree:
+def select_tree(root: torch.Tensor, topk_ids: torch.Tensor | None, topk_logp: torch.Tensor | None,
+                table: PathTable, num_nodes: int) -> DraftTree:
     """Best-first sparse tree per row.
 
     Args:
         root: ``[B]`` root tokens.
-        topk_ids / topk_logp: ``[B, H, K]`` each head's top-k tokens and their log-probabilities.
+        topk_ids / topk_logp: ``[B, H, K]`` each head's top-k tokens and their log-probabilities (unused, and
+            may be ``None``, when ``num_nodes`` is 0).
         table: the static path table for ``(H, K)``.
         num_nodes: draft nodes per row besides the root.
     """
-    batch, num_heads, _ = topk_ids.shape
-    device = root.device
+    batch, num_heads, device = root.shape[0], table.choice.shape[1], root.device
     if num_nodes == 0:
         empty = torch.zeros((batch, 1), dtype=torch.long, device=device)
         return DraftTree(root[:, None], empty, empty - 1, torch.ones((batch, 1, 1), dtype=torch.bool, device=device),

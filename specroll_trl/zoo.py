@@ -70,7 +70,7 @@ PRESETS: dict[str, PolicyPreset] = {
     ),
     "tiny": PolicyPreset(
         name="tiny", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-        intermediate_size=384, train_examples=80000, steps=1100, batch_size=32, lr=3e-3,
+        intermediate_size=384, train_examples=40000, steps=950, batch_size=32, lr=3e-3,
     ),
     "tiny-gsm8k": PolicyPreset(
         name="tiny-gsm8k", task="gsm8k", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4,

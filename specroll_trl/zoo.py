@@ -263,8 +263,8 @@ def evaluate_policy(model, tokenizer, examples: list[dict], temperature: float =
 
     torch.manual_seed(seed)
     entropy_sum, entropy_tokens, correct = 0.0, 0, 0
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-              else [model.generation_config.eos_token_id])
+    eos_ids = model.generation_config.eos_token_id
+    eos = torch.tensor(eos_ids if isinstance(eos_ids, list) else [eos_ids])
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         enc = tokenizer([format_prompt(e["question"]) for e in chunk], return_tensors="pt", padding=True,
@@ -278,7 +278,7 @@ def evaluate_policy(model, tokenizer, examples: list[dict], temperature: float =
             ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
             entropy_sum += ent[alive].sum().item()
             entropy_tokens += int(alive.sum())
-            alive &= ~torch.tensor([int(t) in eos for t in completion[:, step]])
+            alive &= ~torch.isin(completion[:, step], eos)
         texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
         correct += sum(correctness_reward(texts, [e["answer"] for e in chunk]))
     return {

@@ -37,22 +37,16 @@ def _left_pad(prompts: list[list[int]], pad: int):
     return ids, mask
 
 
-def _vanilla(model, ids, mask, gc) -> tuple[float, int]:
+def _vanilla(model, ids, mask, gc, **generate_kwargs) -> tuple[float, int]:
+    """Seconds of one ``model.generate`` call and the completion tokens it produced (each cut after eos)."""
     start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, **generate_kwargs)
     seconds = time.perf_counter() - start
     eos = set(gc.eos_token_id)
     tokens = 0
     for row in out[:, ids.shape[1]:].tolist():
         tokens += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
     return seconds, tokens
-
-
-def _prompt_lookup(model, ids, mask, gc) -> tuple[float, int]:
-    start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, prompt_lookup_num_tokens=4)
-    seconds = time.perf_counter() - start
-    return seconds, out.shape[1] - ids.shape[1]
 
 
 @torch.no_grad()
@@ -81,7 +75,7 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
                 vanilla_s.append(v_s)
                 torch.manual_seed(r)
                 if mode == "assisted_prompt_lookup":
-                    s_s, n_tok = _prompt_lookup(model, ids, mask, gc)
+                    s_s, n_tok = _vanilla(model, ids, mask, gc, prompt_lookup_num_tokens=4)
                     taus.append(float("nan"))
                 else:
                     out = modes[mode].generate(ids, mask)

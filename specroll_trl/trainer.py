@@ -126,6 +126,7 @@ class SpecGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ heads
     def _policy_for_heads(self):
+        """The bare HF causal LM under accelerate and PEFT wrappers."""
         model = self.accelerator.unwrap_model(self.model)
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -191,8 +192,7 @@ class SpecGRPOTrainer(GRPOTrainer):
     def _custom_generate(self) -> bool:
         """True when the policy's ``generate`` was replaced (patched on the instance, as tests that mock it do, or
         overridden by its class): its semantics are the user's, so generation goes through it, unchanged."""
-        model = self.accelerator.unwrap_model(self.model)
-        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        model = self._policy_for_heads()
         generate = type(model).generate  # a class-level patch replaces GenerationMixin.generate itself
         return "generate" in vars(model) or generate is not _HF_GENERATE or not inspect.isfunction(generate)
 

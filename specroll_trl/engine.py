@@ -353,7 +353,7 @@ class SpeculativeGenerator:
             finished = (first_eos <= num_acc) | (done_len[rows] >= max_new)
             if self.hooks:
                 feedback = StepFeedback(rows, root_index, z, topk_ids, tree, probs.view(active, n, -1), accepted,
-                                        emitted, count, finished)
+                                        emitted, count, finished, hidden)
                 for hook in self.hooks:
                     hook.feedback(feedback)
             hidden = out.hidden_states[-1].gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
@@ -375,6 +375,7 @@ class SpeculativeGenerator:
             capacity=capacity,
         )
         for hook in self.hooks:
+            hook.finish(done_len)
             stats.update(hook.metrics())
         return GenerationOutput(result, lps, stats)
 

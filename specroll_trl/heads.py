@@ -159,3 +159,43 @@ def lm_head_of(model: nn.Module) -> nn.Module:
     if lm_head is None or not hasattr(lm_head, "weight") or lm_head.weight.dim() != 2:
         raise ValueError(f"{type(model).__name__} has no linear output embedding (lm_head) to share with heads")
     return lm_head
+
+
+ADAPTER_SUBDIR = "adapter"
+
+
+def is_peft_wrapped(heads: nn.Module) -> bool:
+    return hasattr(heads, "peft_config") and hasattr(heads, "merge_and_unload")
+
+
+def save_heads(heads: nn.Module, directory: str | os.PathLike) -> None:
+    """Save plain heads with ``save_pretrained``. PEFT-wrapped heads: the merged heads (loadable by
+    ``SpeculativeHeads.from_pretrained`` and ``export-vllm``) plus the adapter alone in ``adapter/``."""
+    if not is_peft_wrapped(heads):
+        heads.save_pretrained(directory)
+        return
+    import copy
+
+    copy.deepcopy(heads).merge_and_unload().save_pretrained(directory)
+    heads.save_pretrained(str(Path(directory) / ADAPTER_SUBDIR))
+
+
+def load_heads_into(heads: nn.Module, directory: str | os.PathLike) -> None:
+    """Restore ``heads`` in place from a folder written by :func:`save_heads` (validated like ``from_pretrained``)."""
+    path = Path(directory)
+    if is_peft_wrapped(heads):
+        from peft import set_peft_model_state_dict
+
+        weights = path / ADAPTER_SUBDIR / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise FileNotFoundError(f"PEFT heads checkpoint {str(path)!r} has no {ADAPTER_SUBDIR}/{weights.name}")
+        try:
+            state = load_file(str(weights))
+        except Exception as err:
+            raise ValueError(f"{weights} is not a readable safetensors file: {err}") from err
+        result = set_peft_model_state_dict(heads, state)
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"{weights} does not match the heads' adapters: unexpected {result.unexpected_keys}")
+        return
+    loaded = SpeculativeHeads.from_pretrained(path)
+    heads.load_state_dict(loaded.state_dict())

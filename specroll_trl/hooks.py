@@ -2,8 +2,9 @@
 
 The engine calls, once per ``generate`` call, ``start``; then every decoding step ``adjust`` (it may change
 the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``) and ``feedback`` (what the
-verifier learnt this step). Hooks can only change *proposals*; what is emitted stays exactly distributed as
-the target samples it. Reflex (``specroll_trl.reflex``) is the first hook.
+verifier learnt this step); and ``finish`` when the call ends. Hooks can only change *proposals*; what is
+emitted stays exactly distributed as the target samples it. Reflex (``specroll_trl.reflex``) is the first
+hook; the slow path's ``BufferCapture`` (``specroll_trl.buffer``) is the second.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class StepFeedback:
             was sampled from ``probs[accepted[j]]``.
         count: ``[B]`` number of committed tokens.
         finished: ``[B]`` rows that finished this step (they leave the batch after the hooks ran).
+        hidden: ``[B, D]`` the target's final hidden state ``h_t`` the heads read this step (``z`` is
+            ``heads(hidden)`` before ``adjust``); given even when the step drafted nothing.
     """
 
     rows: torch.Tensor
@@ -44,6 +47,7 @@ class StepFeedback:
     emitted: torch.Tensor
     count: torch.Tensor
     finished: torch.Tensor
+    hidden: torch.Tensor | None = None
 
 
 class StepHook:
@@ -58,6 +62,9 @@ class StepHook:
 
     def feedback(self, step: StepFeedback) -> None:
         """Consume one step's verification results."""
+
+    def finish(self, lengths: torch.Tensor) -> None:
+        """The ``generate`` call ended; ``lengths[b]`` = completion tokens of row ``b`` (all rows)."""
 
     def metrics(self) -> dict[str, float]:
         """Aggregates since ``start`` (merged into the engine's stats)."""

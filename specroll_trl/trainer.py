@@ -9,6 +9,7 @@ PEFT and sharding never see them; they are saved with every checkpoint and the f
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import time
@@ -22,14 +23,16 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
+from .consolidation import ConsolidationCallback, ConsolidationConfig
 from .engine import SpeculativeGenerator
-from .heads import SpeculativeHeads
+from .heads import SpeculativeHeads, load_heads_into, save_heads
 from .reflex import Reflex, ReflexConfig
 
 logger = logging.getLogger(__name__)
 
 TESTED_TRL = "1.16"
 HEADS_SUBDIR = "spec_heads"
+CONSOLIDATION_STATE = "consolidation_state.json"
 _HF_GENERATE = GenerationMixin.generate  # captured at import, before any test can patch it
 
 if not trl.__version__.startswith(TESTED_TRL + "."):
@@ -84,6 +87,30 @@ class SpecGRPOConfig(GRPOConfig):
     spec_reflex_dist_weight: float = field(default=1.0, metadata={"help": "Weight of Reflex's distribution error."})
     spec_reflex_cov_weight: float = field(default=1.0, metadata={"help": "Weight of Reflex's coverage error."})
     spec_reflex_support_k: int = field(default=8, metadata={"help": "Top-K support of Reflex's error terms."})
+    spec_consolidation: bool = field(
+        default=False,
+        metadata={"help": "Enable the slow path (SPEC 2.6): a drift monitor and head-only re-fits on tuples captured "
+                  "during verification, run from ConsolidationCallback at the end of a training step."},
+    )
+    spec_consolidation_trigger: str = field(
+        default="drift",
+        metadata={"help": "'drift': re-fit when the monitor fires; 'every_round': after every generation round "
+                  "(the always-train baseline)."},
+    )
+    spec_consolidation_delta: float = field(default=0.05, metadata={"help": "Acceptance drop counted as drift."})
+    spec_consolidation_delta_r: float = field(default=0.05, metadata={"help": "Regret rise counted as drift."})
+    spec_consolidation_patience: int = field(default=3, metadata={"help": "Drifted rounds in a row before a re-fit."})
+    spec_consolidation_cooldown: int = field(default=5, metadata={"help": "Rounds ignored after a re-fit."})
+    spec_consolidation_smoothing: float = field(default=0.5, metadata={"help": "EMA factor of monitored values."})
+    spec_consolidation_buffer_size: int = field(default=16384, metadata={"help": "Captured tuples kept (ring)."})
+    spec_consolidation_buffer_topk: int = field(default=8, metadata={"help": "Target top-K kept per tuple and head."})
+    spec_consolidation_min_buffer: int = field(default=256, metadata={"help": "No re-fit on fewer tuples."})
+    spec_consolidation_steps: int = field(default=100, metadata={"help": "Optimiser steps per re-fit."})
+    spec_consolidation_max_seconds: float = field(default=30.0, metadata={"help": "Wall-clock bound per re-fit."})
+    spec_consolidation_batch_size: int = field(default=512, metadata={"help": "Tuples per re-fit step."})
+    spec_consolidation_lr: float = field(default=3e-3, metadata={"help": "Adam learning rate of re-fits."})
+    spec_consolidation_lambda_nll: float = field(default=0.5, metadata={"help": "Weight of CE on realised tokens."})
+    spec_consolidation_mu: float = field(default=0.01, metadata={"help": "Weight of the proximal term."})
     spec_fallback_to_generate: bool = field(
         default=True,
         metadata={"help": "On a model the engine cannot run (e.g. FlashAttention-2 only), log and use generate."},
@@ -102,6 +129,8 @@ class SpecGRPOConfig(GRPOConfig):
             raise ValueError(f"spec_capacity must be >= 1 or None, got {self.spec_capacity}")
         if self.spec_reflex:
             reflex_config_from(vars(self))  # validates the spec_reflex_* values now, not at the first rollout
+        if self.spec_consolidation:
+            consolidation_config_from(vars(self))
 
 
 SPEC_DEFAULTS = {f.name: f.default for f in fields(SpecGRPOConfig) if f.name.startswith("spec_")}
@@ -111,6 +140,12 @@ def reflex_config_from(spec_args: dict) -> ReflexConfig:
     """The ``ReflexConfig`` described by ``spec_reflex_*`` fields."""
     names = [f.name for f in fields(ReflexConfig)]
     return ReflexConfig(**{n: spec_args[f"spec_reflex_{n}"] for n in names})
+
+
+def consolidation_config_from(spec_args: dict, seed: int = 0) -> ConsolidationConfig:
+    """The ``ConsolidationConfig`` described by ``spec_consolidation_*`` fields."""
+    names = [f.name for f in fields(ConsolidationConfig) if f.name != "seed"]
+    return ConsolidationConfig(**{n: spec_args[f"spec_consolidation_{n}"] for n in names}, seed=seed)
 
 
 class SpecGRPOTrainer(GRPOTrainer):
@@ -123,6 +158,11 @@ class SpecGRPOTrainer(GRPOTrainer):
         self._spec_engine: SpeculativeGenerator | None = None
         if self.spec_args["spec_enabled"] and self.spec_heads is None:
             self.spec_heads = self._initial_heads()
+        self.spec_consolidation: ConsolidationCallback | None = None
+        if self.spec_args["spec_enabled"] and self.spec_args["spec_consolidation"]:
+            self.spec_consolidation = ConsolidationCallback(consolidation_config_from(self.spec_args, self.args.seed))
+            self.spec_consolidation.bind(self)
+            self.add_callback(self.spec_consolidation)
 
     # ------------------------------------------------------------------ heads
     def _policy_for_heads(self):
@@ -180,11 +220,13 @@ class SpecGRPOTrainer(GRPOTrainer):
     def _engine(self, model) -> SpeculativeGenerator:
         engine = self._spec_engine
         if engine is None or engine.model is not model:
+            hooks = [Reflex(reflex_config_from(self.spec_args))] if self.spec_args["spec_reflex"] else []
+            if self.spec_consolidation is not None:
+                hooks.append(self.spec_consolidation.capture)
             engine = SpeculativeGenerator(
                 model, self.spec_heads, self.generation_config, topk_per_head=self.spec_args["spec_topk_per_head"],
                 max_nodes=self.spec_args["spec_max_nodes"], capacity=self.spec_args["spec_capacity"],
-                fallback_to_generate=self.spec_args["spec_fallback_to_generate"],
-                hooks=[Reflex(reflex_config_from(self.spec_args))] if self.spec_args["spec_reflex"] else None,
+                fallback_to_generate=self.spec_args["spec_fallback_to_generate"], hooks=hooks,
             )
             self._spec_engine = engine
         return engine
@@ -243,16 +285,26 @@ class SpecGRPOTrainer(GRPOTrainer):
                 metrics[f"spec/{key}"].append(float(stats[key]))
         for d, rate in enumerate(stats.get("accept_per_head", [])):
             metrics[f"spec/accept_head_{d + 1}"].append(rate)
+        if self.spec_consolidation is not None and mode == "train":
+            for key, value in self.spec_consolidation.observe(stats).items():
+                metrics[key].append(value)
 
     # ------------------------------------------------------------------ persistence
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.spec_heads is not None and self.args.should_save:
-            self.spec_heads.save_pretrained(os.path.join(output_dir or self.args.output_dir, HEADS_SUBDIR))
+            folder = os.path.join(output_dir or self.args.output_dir, HEADS_SUBDIR)
+            save_heads(self.spec_heads, folder)
+            if self.spec_consolidation is not None:
+                with open(os.path.join(folder, CONSOLIDATION_STATE), "w") as f:
+                    json.dump(self.spec_consolidation.state_dict(), f, indent=1)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         folder = os.path.join(resume_from_checkpoint, HEADS_SUBDIR)
         if self.spec_heads is not None and os.path.isdir(folder):
-            loaded = SpeculativeHeads.from_pretrained(folder)
-            self.spec_heads.load_state_dict(loaded.state_dict())
+            load_heads_into(self.spec_heads, folder)
+            state = os.path.join(folder, CONSOLIDATION_STATE)
+            if self.spec_consolidation is not None and os.path.isfile(state):
+                with open(state) as f:
+                    self.spec_consolidation.load_state_dict(json.load(f))

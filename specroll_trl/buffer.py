@@ -1,0 +1,140 @@
+"""Training tuples for the slow path, captured from verification (SPEC 2.6).
+
+``BufferCapture`` is a step hook. Every step it records, per row, the heads' input ``h_t`` and, for every
+token committed, the top-K of the target distribution it was sampled from plus the token itself. When the
+``generate`` call ends it pairs them: head ``d`` at ``h_t`` gets the target of completion index
+``root + d`` (resolved later than the step that proposed it, exactly as Reflex's delayed feedback) and
+pushes ``(h_t, ids [H, K], probs [H, K], token [H], valid [H])`` into a bounded ring, ``HeadBuffer``.
+It also measures each head's candidate regret ``1 - sum_{c in candidates} p(c)`` at verified nodes, the
+drift monitor's second signal. Everything is detached; nothing here needs gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hooks import StepFeedback, StepHook
+
+
+class HeadBuffer:
+    """A bounded ring of detached head-training tuples; the oldest are overwritten first."""
+
+    def __init__(self, capacity: int, num_heads: int, hidden_size: int, topk: int):
+        if capacity < 1 or topk < 1:
+            raise ValueError(f"buffer capacity and topk must be >= 1, got {capacity} and {topk}")
+        self.capacity, self.num_heads, self.topk = capacity, num_heads, topk
+        self.hidden = torch.zeros((capacity, hidden_size))
+        self.ids = torch.zeros((capacity, num_heads, topk), dtype=torch.long)
+        self.probs = torch.zeros((capacity, num_heads, topk))
+        self.tokens = torch.zeros((capacity, num_heads), dtype=torch.long)
+        self.valid = torch.zeros((capacity, num_heads), dtype=torch.bool)
+        self.size = self.cursor = 0
+        self.added = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def add(self, hidden, ids, probs, tokens, valid) -> None:
+        n = hidden.shape[0]
+        if n == 0:
+            return
+        if n > self.capacity:  # keep the newest
+            hidden, ids, probs, tokens, valid = (t[-self.capacity:] for t in (hidden, ids, probs, tokens, valid))
+            n = self.capacity
+        slots = (self.cursor + torch.arange(n)) % self.capacity
+        self.hidden[slots] = hidden.detach().float().cpu()
+        self.ids[slots] = ids.cpu()
+        self.probs[slots] = probs.detach().float().cpu()
+        self.tokens[slots] = tokens.cpu()
+        self.valid[slots] = valid.cpu()
+        self.cursor = int((self.cursor + n) % self.capacity)
+        self.size = min(self.capacity, self.size + n)
+        self.added += n
+
+    def sample(self, n: int, generator: torch.Generator | None = None):
+        """``n`` tuples drawn uniformly with replacement: ``(hidden, ids, probs, tokens, valid)``."""
+        if self.size == 0:
+            raise ValueError("the head buffer is empty")
+        index = torch.randint(self.size, (n,), generator=generator)
+        return self.hidden[index], self.ids[index], self.probs[index], self.tokens[index], self.valid[index]
+
+    def clear(self) -> None:
+        self.size = self.cursor = 0
+
+
+class BufferCapture(StepHook):
+    """Fills a ``HeadBuffer`` from the engine's verification feedback and measures candidate regret."""
+
+    def __init__(self, buffer: HeadBuffer):
+        self.buffer = buffer
+        self.regret_sum = torch.zeros(buffer.num_heads, dtype=torch.float64)
+        self.regret_count = torch.zeros(buffer.num_heads, dtype=torch.float64)
+
+    def start(self, batch_size, num_heads, hidden_size, lm_head):
+        if num_heads != self.buffer.num_heads:
+            raise ValueError(f"buffer holds {self.buffer.num_heads} heads, the engine runs {num_heads}")
+        self._batch = batch_size
+        self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, root_index, hidden)
+        self._ids = self._probs = self._tokens = None
+        self.regret_sum.zero_()
+        self.regret_count.zero_()
+
+    def _grow(self, length: int, device) -> None:
+        k = self.buffer.topk
+        if self._ids is not None and self._ids.shape[1] >= length:
+            return
+        size = max(length, 2 * (0 if self._ids is None else self._ids.shape[1]), 64)
+        ids = torch.zeros((self._batch, size, k), dtype=torch.long, device=device)
+        probs = torch.zeros((self._batch, size, k), device=device)
+        tokens = torch.zeros((self._batch, size), dtype=torch.long, device=device)
+        if self._ids is not None:
+            old = self._ids.shape[1]
+            ids[:, :old], probs[:, :old], tokens[:, :old] = self._ids, self._probs, self._tokens
+        self._ids, self._probs, self._tokens = ids, probs, tokens
+
+    @torch.no_grad()
+    def feedback(self, step: StepFeedback):
+        rows, width = step.rows, step.accepted.shape[1]
+        if step.hidden is not None:
+            self._steps.append((rows, step.root_index, step.hidden.detach().float()))
+        # Token j of this step (completion index root + 1 + j) was sampled from the probs at accepted[j].
+        node = step.accepted.clamp(min=0)
+        p = step.probs.gather(1, node[..., None].expand(-1, -1, step.probs.shape[-1])).float()  # [B, W, V]
+        k = min(self.buffer.topk, p.shape[-1])
+        top_p, top_ids = p.topk(k, dim=-1)
+        self._grow(int((step.root_index + width).max()) + 2, p.device)
+        j = torch.arange(width, device=rows.device)
+        write = j[None] < step.count[:, None]
+        index = step.root_index[:, None] + 1 + j[None]
+        r = rows[:, None].expand(-1, width)
+        self._ids[r[write], index[write], :k] = top_ids[write]
+        self._probs[r[write], index[write], :k] = top_p[write]
+        self._tokens[r[write], index[write]] = step.emitted[write]
+        if step.candidates is not None:
+            heads = min(step.candidates.shape[1], width)  # head d's target is this step's token d-1, if any
+            covered = p[:, :heads].gather(2, step.candidates[:, :heads]).sum(-1)  # [B, heads]
+            seen = torch.arange(heads, device=rows.device)[None] < step.count[:, None]
+            self.regret_sum[:heads] += ((1 - covered) * seen).sum(0).double().cpu()
+            self.regret_count[:heads] += seen.sum(0).double().cpu()
+
+    @torch.no_grad()
+    def finish(self, lengths):
+        if not self._steps or self._ids is None:
+            return
+        rows = torch.cat([s[0] for s in self._steps])
+        roots = torch.cat([s[1] for s in self._steps])
+        hidden = torch.cat([s[2] for s in self._steps])
+        heads = self.buffer.num_heads
+        target = roots[:, None] + torch.arange(1, heads + 1, device=roots.device)  # [N, H]
+        valid = target < lengths.to(roots.device)[rows][:, None]
+        target = target.clamp(max=self._ids.shape[1] - 1)
+        r = rows[:, None].expand(-1, heads)
+        self.buffer.add(hidden, self._ids[r, target], self._probs[r, target], self._tokens[r, target], valid)
+        self._steps = []
+
+    def regret(self) -> list[float]:
+        """Mean candidate regret per head over the last ``generate`` call (NaN where a head was never verified)."""
+        return (self.regret_sum / self.regret_count).tolist()  # 0/0 -> NaN
+
+    def metrics(self):
+        return {"candidate_regret": self.regret()}

@@ -1,0 +1,245 @@
+"""Head-only consolidation, the slow path (SPEC 2.6): re-fit the heads on captured tuples when drift fires.
+
+``consolidate_heads`` minimises, over the heads' trainable parameters only (their LoRA adapters when the
+heads are PEFT-wrapped; the backbone and ``lm_head`` are read, never updated),
+``sum_d [KL(p_d || q_d) + lambda_nll * CE(x_{t+1+d})] + mu * ||theta - theta_anchor||^2``, where ``p_d`` is the
+captured top-K target distribution and ``theta_anchor`` the parameters when the update starts. It is bounded
+in steps and seconds; on NaN, an exception or out-of-memory it restores the previous heads and reports why.
+
+``ConsolidationCallback`` wires a ``DriftMonitor`` and a ``HeadBuffer`` into ``SpecGRPOTrainer``: the trainer
+reports every generation round to ``observe``; a pending consolidation runs at ``on_step_end``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.nn import functional as F
+from transformers import TrainerCallback
+
+from .buffer import BufferCapture, HeadBuffer
+from .drift import DriftMonitor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConsolidationConfig:
+    """Slow-path settings.
+
+    Args:
+        trigger: ``"drift"`` (consolidate when the monitor fires) or ``"every_round"`` (after every generation
+            round, the FastGRPO-style always-train baseline).
+        delta: acceptance drop that counts as drift (``DriftMonitor.delta``).
+        delta_r: candidate-regret rise that counts as drift.
+        patience: consecutive drifted rounds before consolidating.
+        cooldown: rounds ignored after a consolidation.
+        smoothing: EMA factor of the monitored per-round values.
+        buffer_size: tuples kept in the ring buffer.
+        buffer_topk: target probabilities kept per tuple and head.
+        min_buffer: do not consolidate on fewer tuples than this.
+        steps: optimiser steps per consolidation.
+        max_seconds: wall-clock bound per consolidation.
+        batch_size: tuples per optimiser step.
+        lr: Adam learning rate.
+        lambda_nll: weight of cross-entropy on the realised token.
+        mu: weight of the proximal term ``||theta - theta_anchor||^2``.
+        seed: seeds the minibatch draws.
+    """
+
+    trigger: str = "drift"
+    delta: float = 0.05
+    delta_r: float = 0.05
+    patience: int = 3
+    cooldown: int = 5
+    smoothing: float = 0.5
+    buffer_size: int = 16384
+    buffer_topk: int = 8
+    min_buffer: int = 256
+    steps: int = 100
+    max_seconds: float = 30.0
+    batch_size: int = 512
+    lr: float = 3e-3
+    lambda_nll: float = 0.5
+    mu: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.trigger not in ("drift", "every_round"):
+            raise ValueError(f"consolidation trigger must be 'drift' or 'every_round', got {self.trigger!r}")
+        for name in ("buffer_size", "buffer_topk", "min_buffer", "steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"consolidation {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_seconds", "lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"consolidation {name} must be > 0, got {getattr(self, name)}")
+        if self.lambda_nll < 0 or self.mu < 0:
+            raise ValueError(f"lambda_nll and mu must be >= 0, got {self.lambda_nll} and {self.mu}")
+        DriftMonitor(1, self.delta, self.delta_r, self.patience, self.cooldown, self.smoothing)  # validates those
+
+
+@dataclass
+class ConsolidationReport:
+    """What one consolidation did. ``ok`` False: the heads are unchanged (restored, or ``skipped`` before any
+    work, e.g. too few tuples); ``reason`` says why."""
+
+    ok: bool
+    skipped: bool = False
+    steps: int = 0
+    seconds: float = 0.0
+    loss_before: float = math.nan
+    loss_after: float = math.nan
+    param_step: float = 0.0
+    reason: str = ""
+
+
+def consolidation_loss(heads, lm_weight: torch.Tensor, batch, lambda_nll: float) -> torch.Tensor:
+    """Mean over valid (tuple, head) pairs of ``KL(p || q) + lambda_nll * CE(token)``, ``p`` on its top-K."""
+    hidden, ids, probs, tokens, valid = batch
+    logq = torch.log_softmax(F.linear(heads(hidden), lm_weight).float(), dim=-1)  # [N, H, V]
+    p = probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
+    kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, ids))).sum(-1)
+    nll = -logq.gather(-1, tokens[..., None]).squeeze(-1)
+    weight = valid.float()
+    return ((kl + lambda_nll * nll) * weight).sum() / weight.sum().clamp(min=1)
+
+
+def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: HeadBuffer,
+                      config: ConsolidationConfig | None = None) -> ConsolidationReport:
+    """Re-fit ``heads``' trainable parameters on ``buffer``; restore them if anything goes wrong."""
+    config = config or ConsolidationConfig()
+    start = time.perf_counter()
+    params = [p for p in heads.parameters() if p.requires_grad]
+    if not params:
+        return ConsolidationReport(False, skipped=True, reason="heads have no trainable parameters")
+    if len(buffer) < config.min_buffer:
+        return ConsolidationReport(False, skipped=True,
+                                   reason=f"buffer holds {len(buffer)} tuples, fewer than {config.min_buffer}")
+    backup = {k: v.detach().clone() for k, v in heads.state_dict().items()}
+    anchor = [p.detach().clone() for p in params]
+    weight = lm_head.weight.detach()
+    device = weight.device
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.Adam(params, lr=config.lr)
+    was_training = heads.training
+    heads.train()
+    report = ConsolidationReport(True)
+    try:
+        with torch.enable_grad():
+            for step in range(config.steps):
+                batch = [t.to(device) for t in buffer.sample(config.batch_size, generator)]
+                batch[0] = batch[0].to(weight.dtype)
+                fit = consolidation_loss(heads, weight, batch, config.lambda_nll)
+                proximal = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+                loss = fit + config.mu * proximal
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"consolidation loss is {float(loss.detach())} at step {step}")
+                if step == 0:
+                    report.loss_before = float(fit.detach())
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                report.steps = step + 1
+                report.loss_after = float(fit.detach())
+                if time.perf_counter() - start > config.max_seconds:
+                    break
+        for p in params:
+            if not torch.isfinite(p).all():
+                raise FloatingPointError("consolidation produced non-finite head parameters")
+        report.param_step = float(sum(((p.detach() - a) ** 2).sum() for p, a in zip(params, anchor)).sqrt())
+    except (FloatingPointError, RuntimeError, ValueError, torch.OutOfMemoryError) as err:
+        heads.load_state_dict(backup)
+        report = ConsolidationReport(False, steps=report.steps, reason=f"{type(err).__name__}: {err}")
+        logger.warning("head consolidation failed, previous heads restored: %s", report.reason)
+    finally:
+        for p in params:
+            p.grad = None
+        heads.train(was_training)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+class ConsolidationCallback(TrainerCallback):
+    """Drift-triggered, head-only consolidation for ``SpecGRPOTrainer`` (``spec_consolidation=True`` adds it).
+
+    The trainer calls ``bind`` once, registers ``capture`` as an engine hook and calls ``observe`` after every
+    generation round; the consolidation itself runs in ``on_step_end``, outside generation and the policy's
+    backward pass, and touches only the heads.
+    """
+
+    def __init__(self, config: ConsolidationConfig | None = None):
+        self.config = config or ConsolidationConfig()
+        self.trainer = None
+        self.monitor: DriftMonitor | None = None
+        self.buffer: HeadBuffer | None = None
+        self.capture: BufferCapture | None = None
+        self.pending = False
+        self.count = self.failures = 0
+        self.seconds = 0.0
+        self.last_report: ConsolidationReport | None = None
+
+    def bind(self, trainer) -> None:
+        c = self.config
+        heads = trainer.spec_heads
+        self.trainer = trainer
+        self.monitor = DriftMonitor(heads.num_heads, c.delta, c.delta_r, c.patience, c.cooldown, c.smoothing)
+        hidden = trainer._policy_for_heads().get_output_embeddings().weight.shape[1]
+        self.buffer = HeadBuffer(c.buffer_size, heads.num_heads, hidden, c.buffer_topk)
+        self.capture = BufferCapture(self.buffer)
+
+    def observe(self, stats: dict) -> dict[str, float]:
+        """One generation round's engine stats; returns the drift metrics to log."""
+        drafted = stats.get("drafted_row_steps", 0) > 0
+        accept = stats.get("accept_per_head") if drafted else None
+        regret = stats.get("candidate_regret") if drafted else None
+        fired = self.monitor.update(accept, regret)
+        if self.config.trigger == "every_round" or fired:
+            self.pending = True
+        metrics = {"spec/drift": self.monitor.drop(), "spec/buffer_size": float(len(self.buffer))}
+        if regret is not None:
+            finite = [r for r in regret if not math.isnan(r)]
+            if finite:
+                metrics["spec/candidate_regret"] = sum(finite) / len(finite)
+        return metrics
+
+    def consolidate(self) -> ConsolidationReport:
+        trainer = self.trainer
+        lm_head = trainer._policy_for_heads().get_output_embeddings()
+        report = consolidate_heads(trainer.spec_heads, lm_head, self.buffer, self.config)
+        self.last_report = report
+        self.seconds += report.seconds
+        if report.ok:
+            self.count += 1
+            self.monitor.reset_reference()
+        elif not report.skipped:
+            self.failures += 1
+        return report
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer is None or not self.pending:
+            return control
+        self.pending = False
+        report = self.consolidate()
+        metrics = self.trainer._metrics["train"]
+        metrics["spec/consolidations"].append(float(self.count))
+        metrics["spec/consolidation_seconds"].append(report.seconds)
+        metrics["spec/consolidation_failures"].append(float(self.failures))
+        if report.ok:
+            metrics["spec/consolidation_loss_before"].append(report.loss_before)
+            metrics["spec/consolidation_loss_after"].append(report.loss_after)
+        return control
+
+    def state_dict(self) -> dict:
+        return {"config": asdict(self.config),
+                "monitor": self.monitor.state_dict() if self.monitor else None,
+                "count": self.count, "failures": self.failures, "seconds": self.seconds, "pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("monitor") is not None and self.monitor is not None:
+            self.monitor.load_state_dict(state["monitor"])
+        self.count, self.failures = int(state.get("count", 0)), int(state.get("failures", 0))
+        self.seconds, self.pending = float(state.get("seconds", 0.0)), bool(state.get("pending", False))

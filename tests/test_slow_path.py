@@ -1,0 +1,280 @@
+"""Slow path: the drift monitor, the captured buffer, head-only consolidation, and its trainer callback."""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import GenerationConfig
+
+from specroll_trl import (
+    ConsolidationCallback,
+    DriftMonitor,
+    SpecGRPOTrainer,
+    SpeculativeGenerator,
+    SpeculativeHeads,
+    zoo,
+)
+from specroll_trl.bench import perturbed_policy
+from specroll_trl.buffer import BufferCapture, HeadBuffer
+from specroll_trl.consolidation import ConsolidationConfig, consolidate_heads
+
+from .conftest import left_padded, make_model
+from .test_engine import nano_sampling_inputs, noisy_heads
+from .test_trainer import dataset, run, small_args  # noqa: F401  (dataset is a fixture)
+
+# --------------------------------------------------------------------------- monitor
+
+
+def feed(monitor, series):
+    return [monitor.update([a, a]) for a in series]
+
+
+def test_monitor_fires_on_a_sustained_drop_and_not_on_isolated_dips():
+    monitor = DriftMonitor(2, delta=0.05, patience=3, cooldown=4, smoothing=0.5)
+    steady_with_dips = [0.6, 0.6, 0.6, 0.35, 0.6, 0.6, 0.6, 0.35, 0.6, 0.6, 0.35, 0.6, 0.6]
+    assert not any(feed(monitor, steady_with_dips))
+    fired = feed(monitor, [0.4] * 8)
+    # three drifted windows in a row fire; the cooldown keeps it quiet for 4 windows, then (no re-fit happened
+    # in between) the still-drifted heads fire again
+    assert [i for i, f in enumerate(fired) if f] == [2, 7]
+    monitor.reset_reference()
+    assert not any(feed(monitor, [0.4] * 6))  # the new level is the new reference
+
+
+def test_monitor_fires_on_regret_and_skips_empty_windows():
+    monitor = DriftMonitor(1, delta_r=0.1, patience=2, cooldown=0, smoothing=0.0)
+    assert not monitor.update(None, [0.2])
+    assert not monitor.update([math.nan], None)  # a round that drafted nothing is no evidence
+    assert not monitor.update(None, [0.35])
+    assert monitor.update(None, [0.35])
+
+
+def test_monitor_state_round_trips_and_rejects_bad_values():
+    monitor = DriftMonitor(2, patience=2)
+    feed(monitor, [0.7, 0.5, 0.5])
+    clone = DriftMonitor(2, patience=2)
+    clone.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+    assert clone.state_dict() == monitor.state_dict()
+    assert clone.update([0.5, 0.5]) == monitor.update([0.5, 0.5])
+    with pytest.raises(ValueError, match="heads"):
+        clone.load_state_dict({"accept": [0.1]})
+    for bad in (dict(num_heads=0), dict(num_heads=1, delta=0), dict(num_heads=1, patience=0),
+                dict(num_heads=1, smoothing=1.0)):
+        with pytest.raises(ValueError):
+            DriftMonitor(**bad)
+    with pytest.raises(ValueError, match="trigger"):
+        ConsolidationConfig(trigger="sometimes")
+    with pytest.raises(ValueError, match="lr"):
+        ConsolidationConfig(lr=0)
+
+
+# --------------------------------------------------------------------------- buffer capture
+
+
+def captured(model, heads, ids, mask, gc, capacity=4096, topk=8, seed=0):
+    buffer = HeadBuffer(capacity, heads.num_heads, model.config.hidden_size, topk)
+    engine = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=8, hooks=[BufferCapture(buffer)])
+    torch.manual_seed(seed)
+    out = engine.generate(ids, mask)
+    return buffer, out
+
+
+def test_capture_pairs_each_head_with_the_token_it_should_have_predicted():
+    model = make_model(vocab=48, scale=4.0, seed=2)
+    heads = noisy_heads(model, num_heads=3, std=0.3)
+    ids, mask = left_padded([[5, 6, 7], [9, 3], [4, 4, 4, 8], [11]])
+    gc = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=1, pad_token_id=0)
+    buffer, out = captured(model, heads, ids, mask, gc)
+    rows = [list(r) for r in out.completion_ids]
+    steps = out.stats["forwards"] - 1
+    assert 0 < len(buffer) <= steps * len(rows)
+    hidden, tok_ids, probs, tokens, valid = (t[: len(buffer)] for t in (buffer.hidden, buffer.ids, buffer.probs,
+                                                                          buffer.tokens, buffer.valid))
+    root = model.lm_head(hidden).argmax(-1)  # greedy: h_t's own next token is the step's root
+    full = valid.all(1)
+    assert full.sum() > 10
+    for r, toks in zip(root[full].tolist(), tokens[full].tolist()):
+        window = [r, *toks]
+        assert any(row[i : i + len(window)] == window for row in rows for i in range(len(row))), window
+    # greedy targets are one-hot on the realised token
+    assert torch.equal(tok_ids[..., 0][valid], tokens[valid])
+    assert torch.allclose(probs[..., 0][valid], torch.ones(int(valid.sum())))
+    # tokens past a row's end are marked invalid, never invented
+    assert not valid.all()
+
+
+def test_buffer_is_a_bounded_ring_keeping_the_newest():
+    buffer = HeadBuffer(5, 2, 3, 2)
+    for start in (0, 4):
+        n = 4
+        hidden = torch.arange(start, start + n).float()[:, None].expand(-1, 3)
+        buffer.add(hidden, torch.zeros((n, 2, 2), dtype=torch.long), torch.ones((n, 2, 2)),
+                   torch.zeros((n, 2), dtype=torch.long), torch.ones((n, 2), dtype=torch.bool))
+    assert len(buffer) == 5 and buffer.added == 8
+    assert sorted(buffer.hidden[:, 0].tolist()) == [3, 4, 5, 6, 7]
+
+
+def test_capture_measures_candidate_regret_per_head(nano):
+    model, _, heads = nano
+    _, ids, mask, gc = nano_sampling_inputs(nano, 24, seed=5, temperature=1.0, max_new_tokens=48)
+    _, out = captured(model, heads, ids, mask, gc)
+    regret = out.stats["candidate_regret"]
+    assert len(regret) == heads.num_heads and all(0 <= r <= 1 for r in regret)
+    untrained = SpeculativeHeads.from_model(model, heads.num_heads)  # predicts x_{t+1}, not x_{t+1+k}
+    _, out = captured(model, untrained, ids, mask, gc)
+    assert out.stats["candidate_regret"][0] > regret[0] + 0.2
+
+
+# --------------------------------------------------------------------------- consolidation
+
+
+def filled_buffer(seed=0, n=600, vocab=32, hidden=32, heads=2, topk=4):
+    gen = torch.Generator().manual_seed(seed)
+    buffer = HeadBuffer(1024, heads, hidden, topk)
+    probs = torch.softmax(torch.randn((n, heads, topk), generator=gen), -1)
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:topk] for _ in range(n * heads)]).view(n, heads, topk)
+    buffer.add(torch.randn((n, hidden), generator=gen), ids, probs, ids[..., 0], torch.ones((n, heads), dtype=bool))
+    return buffer
+
+
+def test_consolidation_changes_only_the_heads():
+    model = make_model(vocab=32, hidden=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    policy_before = copy.deepcopy(model.state_dict())
+    opt_before = copy.deepcopy(opt.state_dict())
+    heads = noisy_heads(model, num_heads=2, std=0.1)
+    heads_before = copy.deepcopy(heads.state_dict())
+    report = consolidate_heads(heads, model.lm_head, filled_buffer(), ConsolidationConfig(steps=20, min_buffer=1))
+    assert report.ok and report.steps == 20 and report.loss_after < report.loss_before
+    assert any(not torch.equal(heads_before[k], v) for k, v in heads.state_dict().items())
+    assert all(torch.equal(policy_before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    after = opt.state_dict()
+    for pid, state in opt_before["state"].items():
+        assert all(torch.equal(state[k], after["state"][pid][k]) for k in state)
+
+
+def test_the_proximal_term_bounds_the_parameter_step():
+    model = make_model(vocab=32, hidden=32)
+    steps = {}
+    for mu in (0.0, 1.0, 100.0):
+        heads = noisy_heads(model, num_heads=2, std=0.1)
+        report = consolidate_heads(heads, model.lm_head, filled_buffer(),
+                                   ConsolidationConfig(steps=100, mu=mu, lr=3e-3, min_buffer=1))
+        assert report.ok
+        steps[mu] = report.param_step
+    assert steps[100.0] < steps[1.0] < 0.1 * steps[0.0]
+
+
+def test_nan_or_an_exception_restores_the_heads(monkeypatch):
+    model = make_model(vocab=32, hidden=32)
+    heads = noisy_heads(model, num_heads=2, std=0.1)
+    before = copy.deepcopy(heads.state_dict())
+    buffer = filled_buffer()
+    buffer.hidden[: len(buffer)] = float("nan")
+    report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(steps=5, min_buffer=1))
+    assert not report.ok and "nan" in report.reason.lower()
+    assert all(torch.equal(before[k], v) for k, v in heads.state_dict().items())
+
+    buffer = filled_buffer()
+    calls = {"n": 0}
+    real_sample = buffer.sample
+
+    def failing_sample(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("injected out of memory")
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(buffer, "sample", failing_sample)
+    report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(steps=5, min_buffer=1))
+    assert not report.ok and report.steps == 2 and "out of memory" in report.reason
+    assert all(torch.equal(before[k], v) for k, v in heads.state_dict().items())
+    assert not consolidate_heads(heads, model.lm_head, HeadBuffer(8, 2, 32, 4)).ok  # empty buffer: skipped
+
+
+def test_peft_heads_update_only_their_adapters():
+    model = make_model(vocab=32, hidden=32)
+    base = noisy_heads(model, num_heads=2, std=0.1)
+    heads = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["linear"], init_lora_weights=True))
+    before = {k: v.clone() for k, v in heads.state_dict().items()}
+    report = consolidate_heads(heads, model.lm_head, filled_buffer(), ConsolidationConfig(steps=10, min_buffer=1))
+    assert report.ok
+    changed = {k for k, v in heads.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed and all("lora_" in k for k in changed)
+
+
+def test_consolidation_raises_acceptance_on_a_drifted_target(nano):
+    model, _, heads = nano
+    target = perturbed_policy(model, scale=1.0, seed=0)
+    heads = copy.deepcopy(heads)
+    _, ids, mask, gc = nano_sampling_inputs(nano, 64, seed=11, temperature=1.0, max_new_tokens=64)
+    _, held_ids, held_mask, _ = nano_sampling_inputs(nano, 64, seed=12, temperature=1.0, max_new_tokens=64)
+
+    def acceptance():
+        engine = SpeculativeGenerator(target, heads, gc, capacity=10**6, max_nodes=8)
+        return [engine.generate(held_ids, held_mask).stats["accept_per_head"] for _ in range(2)]
+
+    torch.manual_seed(0)
+    before = acceptance()
+    buffer, _ = captured(target, heads, ids, mask, gc, capacity=8192, seed=1)
+    assert len(buffer) > 500
+    report = consolidate_heads(heads, target.lm_head, buffer, ConsolidationConfig(steps=150, lr=3e-3, mu=0.01))
+    assert report.ok and report.loss_after < report.loss_before
+    torch.manual_seed(0)
+    after = acceptance()
+    mean = lambda runs, d: sum(r[d] for r in runs) / len(runs)  # noqa: E731
+    assert mean(after, 0) > mean(before, 0) + 0.04, (before, after)
+    assert sum(mean(after, d) for d in range(4)) > sum(mean(before, d) for d in range(4))
+
+
+# --------------------------------------------------------------------------- trainer callback
+
+
+def test_trainer_consolidates_logs_and_resumes_monitor_state(nano, tmp_path, dataset):  # noqa: F811
+    args = small_args(tmp_path, spec_consolidation=True, spec_consolidation_trigger="every_round",
+                      spec_consolidation_min_buffer=16, spec_consolidation_steps=5, save_strategy="steps",
+                      save_steps=1, max_steps=2)
+    initial = copy.deepcopy(zoo.load_heads("nano", progress=False).state_dict())
+    trainer = run(SpecGRPOTrainer, args, dataset)
+    callback = trainer.spec_consolidation
+    assert isinstance(callback, ConsolidationCallback) and callback in trainer.callback_handler.callbacks
+    assert callback.count == 2 and callback.failures == 0
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["spec/consolidations"] for r in rows] == [1.0, 2.0]
+    assert all(r["spec/consolidation_seconds"] > 0 and "spec/drift" in r and "spec/buffer_size" in r for r in rows)
+    assert any(not torch.equal(initial[k], v.cpu()) for k, v in trainer.spec_heads.state_dict().items())
+
+    ckpt = Path(args.output_dir) / "checkpoint-2" / "spec_heads"
+    state = json.loads((ckpt / "consolidation_state.json").read_text())
+    assert state["count"] == 2 and state["monitor"]["windows"] == 2
+    resumed = SpecGRPOTrainer(model=str(zoo.policy_dir("nano")), reward_funcs=trainer.reward_funcs, args=args,
+                              train_dataset=dataset)
+    resumed._load_from_checkpoint(str(ckpt.parent))
+    assert resumed.spec_consolidation.count == 2
+    assert resumed.spec_consolidation.monitor.state_dict() == trainer.spec_consolidation.monitor.state_dict()
+    for k, v in trainer.spec_heads.state_dict().items():
+        assert torch.equal(resumed.spec_heads.state_dict()[k].cpu(), v.cpu())
+
+
+def test_trainer_with_peft_heads_saves_merged_heads_and_adapter(nano, tmp_path, dataset):  # noqa: F811
+    base = zoo.load_heads("nano", progress=False)
+    heads = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["linear"]))
+    args = small_args(tmp_path, spec_consolidation=True, spec_consolidation_trigger="every_round",
+                      spec_consolidation_min_buffer=16, spec_consolidation_steps=5, max_steps=1)
+    trainer = run(SpecGRPOTrainer, args, dataset, heads=heads)
+    assert trainer.spec_consolidation.count == 1
+    trainer.save_model(str(tmp_path / "final"))
+    folder = tmp_path / "final" / "spec_heads"
+    merged = type(base).from_pretrained(folder)  # a plain heads folder, usable without PEFT
+    assert (folder / "adapter" / "adapter_model.safetensors").is_file()
+    h = torch.randn(5, base.config.hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(merged(h), trainer.spec_heads(h), atol=1e-5)

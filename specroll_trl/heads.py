@@ -118,13 +118,8 @@ class SpeculativeHeads(nn.Module):
         cls, directory: str | os.PathLike, device: torch.device | str | None = None, dtype=None
     ) -> SpeculativeHeads:
         """Load heads saved by :meth:`save_pretrained`; refuses missing, truncated or foreign files."""
-        path = Path(directory)
-        if not path.is_dir():
-            raise FileNotFoundError(f"heads folder {str(path)!r} does not exist")
+        path = check_heads_folder(directory)
         config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
-        for f in (config_file, weights_file):
-            if not f.is_file():
-                raise FileNotFoundError(f"heads folder {str(path)!r} has no {f.name}")
         try:
             raw = json.loads(config_file.read_text())
             names = {f.name for f in fields(SpeculativeHeadsConfig)}
@@ -151,6 +146,20 @@ class SpeculativeHeads(nn.Module):
                 raise ValueError(f"{weights_file}: {name} contains NaN or inf")
         heads.load_state_dict(state)
         return heads.to(device=device, dtype=dtype)
+
+
+def check_heads_folder(directory: str | os.PathLike) -> Path:
+    """Raise ``FileNotFoundError`` unless ``directory`` is a folder holding a heads config and weights."""
+    path = Path(directory)
+    if not path.exists():
+        raise FileNotFoundError(f"heads folder {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"heads path {str(path)!r} is a file, not a heads folder "
+                                f"(expected a folder with {CONFIG_NAME} and {WEIGHTS_NAME})")
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"heads folder {str(path)!r} has no {name}")
+    return path
 
 
 def lm_head_of(model: nn.Module) -> nn.Module:

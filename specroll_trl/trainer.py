@@ -23,7 +23,7 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from .engine import SpeculativeGenerator
-from .heads import SpeculativeHeads
+from .heads import SpeculativeHeads, check_heads_folder
 from .reflex import Reflex, ReflexConfig
 
 logger = logging.getLogger(__name__)
@@ -117,12 +117,20 @@ class SpecGRPOTrainer(GRPOTrainer):
     """Drop-in ``GRPOTrainer`` with exact speculative rollouts (same signature, plus ``heads``)."""
 
     def __init__(self, *args, heads: SpeculativeHeads | None = None, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if heads is None and getattr(config, "spec_enabled", False) and getattr(config, "spec_heads_path", None):
+            check_heads_folder(config.spec_heads_path)  # a bad path fails before the policy is loaded
         super().__init__(*args, **kwargs)
         self.spec_args = {name: getattr(self.args, name, default) for name, default in SPEC_DEFAULTS.items()}
         self.spec_heads = heads
         self._spec_engine: SpeculativeGenerator | None = None
         if self.spec_args["spec_enabled"] and self.spec_heads is None:
             self.spec_heads = self._initial_heads()
+        elif self.spec_heads is not None:
+            self.spec_heads.check_compatible(self._policy_for_heads())
+        if self.spec_heads is not None and self.spec_args["spec_topk_per_head"] > self.spec_heads.config.vocab_size:
+            raise ValueError(f"spec_topk_per_head ({self.spec_args['spec_topk_per_head']}) exceeds the model's "
+                             f"vocab size ({self.spec_heads.config.vocab_size})")
 
     # ------------------------------------------------------------------ heads
     def _policy_for_heads(self):
@@ -251,8 +259,24 @@ class SpecGRPOTrainer(GRPOTrainer):
             self.spec_heads.save_pretrained(os.path.join(output_dir or self.args.output_dir, HEADS_SUBDIR))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        # The heads are read and validated first: a corrupted checkpoint is refused before anything is loaded.
         folder = os.path.join(resume_from_checkpoint, HEADS_SUBDIR)
+        loaded = None
         if self.spec_heads is not None and os.path.isdir(folder):
-            loaded = SpeculativeHeads.from_pretrained(folder)
-            self.spec_heads.load_state_dict(loaded.state_dict())
+            try:
+                loaded = SpeculativeHeads.from_pretrained(folder)
+                loaded.check_compatible(self._policy_for_heads())
+            except (OSError, ValueError) as err:
+                raise ValueError(f"refusing to resume from {resume_from_checkpoint!r}: its speculative heads "
+                                 f"({HEADS_SUBDIR}/) cannot be loaded: {err}") from err
+        elif self.spec_heads is not None:
+            warnings.warn(f"checkpoint {resume_from_checkpoint!r} has no {HEADS_SUBDIR}/ folder; resuming with the "
+                          "current speculative heads", stacklevel=2)
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        if loaded is not None:
+            if loaded.config == self.spec_heads.config:
+                self.spec_heads.load_state_dict(loaded.state_dict())
+            else:  # the checkpoint's heads have another shape: they replace the current ones
+                ref = next(self.spec_heads.parameters())
+                self.spec_heads = loaded.to(device=ref.device, dtype=ref.dtype)
+                self._spec_engine = None

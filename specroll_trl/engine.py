@@ -240,7 +240,7 @@ class SpeculativeGenerator:
                  max_new_tokens: int | None = None) -> GenerationOutput:
         start = time.perf_counter()
         gen = copy.deepcopy(self.generation_config)
-        max_new = max_new_tokens or gen.max_new_tokens
+        max_new = gen.max_new_tokens if max_new_tokens is None else max_new_tokens  # an explicit 0 is an error
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self._validate(input_ids, attention_mask, max_new)

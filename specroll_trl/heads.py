@@ -122,6 +122,8 @@ class SpeculativeHeads(nn.Module):
         config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
         try:
             raw = json.loads(config_file.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
             names = {f.name for f in fields(SpeculativeHeadsConfig)}
             config = SpeculativeHeadsConfig(**{k: v for k, v in raw.items() if k in names})
         except (json.JSONDecodeError, TypeError, KeyError, ValueError) as err:

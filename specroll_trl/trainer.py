@@ -93,6 +93,12 @@ class SpecGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.spec_init_heads not in ("distill", "zeros"):
             raise ValueError(f"spec_init_heads must be 'distill' or 'zeros', got {self.spec_init_heads!r}")
+        for name in ("spec_num_heads", "spec_topk_per_head", "spec_distill_samples", "spec_distill_steps",
+                     "spec_max_nodes", "spec_capacity"):
+            value = getattr(self, name)
+            optional = value is None and name == "spec_capacity"
+            if not optional and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         for name in ("spec_num_heads", "spec_topk_per_head", "spec_distill_samples", "spec_distill_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -64,12 +64,18 @@ class SpeculativeConfig:
     track_expected_acceptance: bool = False
 
     def __post_init__(self):
+        for name in ("topk_per_head", "max_nodes", "capacity"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if self.topk_per_head < 1:
             raise ValueError(f"topk_per_head must be >= 1, got {self.topk_per_head}")
         if self.max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(f"capacity (C_hw) must be >= 1 or None (profile), got {self.capacity}")
+        if not self.capacity_eps >= 0:
+            raise ValueError(f"capacity_eps must be >= 0, got {self.capacity_eps}")
         if not 0 < self.compact_ratio <= 1:
             raise ValueError(f"compact_ratio must be in (0, 1], got {self.compact_ratio}")
 
@@ -171,6 +177,9 @@ class SpeculativeGenerator:
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
         self.lm_head = lm_head_of(model)
         heads.check_compatible(model)
+        if self.config.topk_per_head > heads.config.vocab_size:
+            raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the model's vocab size "
+                             f"({heads.config.vocab_size})")
         self.table = PathTable.build(heads.num_heads, self.config.topk_per_head)
         self._table_device = None
         self.supported_error: str | None = None
@@ -201,6 +210,8 @@ class SpeculativeGenerator:
     def _validate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be a non-empty [B, T] LongTensor, got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}"
@@ -209,6 +220,12 @@ class SpeculativeGenerator:
             raise ValueError("every prompt needs at least one token (an attention_mask row is all zeros)")
         if bool((attention_mask[:, -1] == 0).any()):
             raise ValueError("prompts must be left-padded (attention_mask has zeros in its last column)")
+        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        vocab = getattr(embeddings, "num_embeddings", None) or self.heads.config.vocab_size
+        real = input_ids[attention_mask.bool()]
+        if bool(((real < 0) | (real >= vocab)).any()):
+            bad = sorted({int(t) for t in real[(real < 0) | (real >= vocab)].tolist()})[:5]
+            raise ValueError(f"input_ids contain token ids outside the model's vocabulary [0, {vocab}): {bad}")
         if max_new_tokens is None or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         limit = getattr(self.model.config, "max_position_embeddings", None)
@@ -223,7 +240,7 @@ class SpeculativeGenerator:
                  max_new_tokens: int | None = None) -> GenerationOutput:
         start = time.perf_counter()
         gen = copy.deepcopy(self.generation_config)
-        max_new = max_new_tokens or gen.max_new_tokens
+        max_new = gen.max_new_tokens if max_new_tokens is None else max_new_tokens  # an explicit 0 is an error
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self._validate(input_ids, attention_mask, max_new)

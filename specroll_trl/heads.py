@@ -118,15 +118,12 @@ class SpeculativeHeads(nn.Module):
         cls, directory: str | os.PathLike, device: torch.device | str | None = None, dtype=None
     ) -> SpeculativeHeads:
         """Load heads saved by :meth:`save_pretrained`; refuses missing, truncated or foreign files."""
-        path = Path(directory)
-        if not path.is_dir():
-            raise FileNotFoundError(f"heads folder {str(path)!r} does not exist")
+        path = check_heads_folder(directory)
         config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
-        for f in (config_file, weights_file):
-            if not f.is_file():
-                raise FileNotFoundError(f"heads folder {str(path)!r} has no {f.name}")
         try:
             raw = json.loads(config_file.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
             names = {f.name for f in fields(SpeculativeHeadsConfig)}
             config = SpeculativeHeadsConfig(**{k: v for k, v in raw.items() if k in names})
         except (json.JSONDecodeError, TypeError, KeyError, ValueError) as err:
@@ -151,6 +148,20 @@ class SpeculativeHeads(nn.Module):
                 raise ValueError(f"{weights_file}: {name} contains NaN or inf")
         heads.load_state_dict(state)
         return heads.to(device=device, dtype=dtype)
+
+
+def check_heads_folder(directory: str | os.PathLike) -> Path:
+    """Raise ``FileNotFoundError`` unless ``directory`` is a folder holding a heads config and weights."""
+    path = Path(directory)
+    if not path.exists():
+        raise FileNotFoundError(f"heads folder {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"heads path {str(path)!r} is a file, not a heads folder "
+                                f"(expected a folder with {CONFIG_NAME} and {WEIGHTS_NAME})")
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"heads folder {str(path)!r} has no {name}")
+    return path
 
 
 def lm_head_of(model: nn.Module) -> nn.Module:
@@ -180,22 +191,24 @@ def save_heads(heads: nn.Module, directory: str | os.PathLike) -> None:
     heads.save_pretrained(str(Path(directory) / ADAPTER_SUBDIR))
 
 
-def load_heads_into(heads: nn.Module, directory: str | os.PathLike) -> None:
-    """Restore ``heads`` in place from a folder written by :func:`save_heads` (validated like ``from_pretrained``)."""
-    path = Path(directory)
-    if is_peft_wrapped(heads):
-        from peft import set_peft_model_state_dict
+def read_adapter_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The adapter weights :func:`save_heads` wrote for PEFT-wrapped heads (safetensors, finite)."""
+    weights = Path(directory) / ADAPTER_SUBDIR / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"PEFT heads checkpoint {str(directory)!r} has no {ADAPTER_SUBDIR}/{weights.name}")
+    try:
+        state = load_file(str(weights))
+    except Exception as err:
+        raise ValueError(f"{weights} is not a readable safetensors file: {err}") from err
+    bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise ValueError(f"{weights}: {bad[0]} contains NaN or inf")
+    return state
 
-        weights = path / ADAPTER_SUBDIR / "adapter_model.safetensors"
-        if not weights.is_file():
-            raise FileNotFoundError(f"PEFT heads checkpoint {str(path)!r} has no {ADAPTER_SUBDIR}/{weights.name}")
-        try:
-            state = load_file(str(weights))
-        except Exception as err:
-            raise ValueError(f"{weights} is not a readable safetensors file: {err}") from err
-        result = set_peft_model_state_dict(heads, state)
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"{weights} does not match the heads' adapters: unexpected {result.unexpected_keys}")
-        return
-    loaded = SpeculativeHeads.from_pretrained(path)
-    heads.load_state_dict(loaded.state_dict())
+
+def apply_adapter_state(heads: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(heads, state)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"adapter checkpoint does not match the heads' adapters: unexpected {result.unexpected_keys}")

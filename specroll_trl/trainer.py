@@ -25,7 +25,14 @@ from trl.trainer.utils import pad
 
 from .consolidation import ConsolidationCallback, ConsolidationConfig
 from .engine import SpeculativeGenerator
-from .heads import SpeculativeHeads, load_heads_into, save_heads
+from .heads import (
+    SpeculativeHeads,
+    apply_adapter_state,
+    check_heads_folder,
+    is_peft_wrapped,
+    read_adapter_state,
+    save_heads,
+)
 from .reflex import Reflex, ReflexConfig
 
 logger = logging.getLogger(__name__)
@@ -120,6 +127,12 @@ class SpecGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.spec_init_heads not in ("distill", "zeros"):
             raise ValueError(f"spec_init_heads must be 'distill' or 'zeros', got {self.spec_init_heads!r}")
+        for name in ("spec_num_heads", "spec_topk_per_head", "spec_distill_samples", "spec_distill_steps",
+                     "spec_max_nodes", "spec_capacity"):
+            value = getattr(self, name)
+            optional = value is None and name == "spec_capacity"
+            if not optional and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         for name in ("spec_num_heads", "spec_topk_per_head", "spec_distill_samples", "spec_distill_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -152,12 +165,20 @@ class SpecGRPOTrainer(GRPOTrainer):
     """Drop-in ``GRPOTrainer`` with exact speculative rollouts (same signature, plus ``heads``)."""
 
     def __init__(self, *args, heads: SpeculativeHeads | None = None, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if heads is None and getattr(config, "spec_enabled", False) and getattr(config, "spec_heads_path", None):
+            check_heads_folder(config.spec_heads_path)  # a bad path fails before the policy is loaded
         super().__init__(*args, **kwargs)
         self.spec_args = {name: getattr(self.args, name, default) for name, default in SPEC_DEFAULTS.items()}
         self.spec_heads = heads
         self._spec_engine: SpeculativeGenerator | None = None
         if self.spec_args["spec_enabled"] and self.spec_heads is None:
             self.spec_heads = self._initial_heads()
+        elif self.spec_heads is not None:
+            self.spec_heads.check_compatible(self._policy_for_heads())
+        if self.spec_heads is not None and self.spec_args["spec_topk_per_head"] > self.spec_heads.config.vocab_size:
+            raise ValueError(f"spec_topk_per_head ({self.spec_args['spec_topk_per_head']}) exceeds the model's "
+                             f"vocab size ({self.spec_heads.config.vocab_size})")
         self.spec_consolidation: ConsolidationCallback | None = None
         if self.spec_args["spec_enabled"] and self.spec_args["spec_consolidation"]:
             self.spec_consolidation = ConsolidationCallback(consolidation_config_from(self.spec_args, self.args.seed))
@@ -300,11 +321,33 @@ class SpecGRPOTrainer(GRPOTrainer):
                     json.dump(self.spec_consolidation.state_dict(), f, indent=1)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        # The heads are read and validated first: a corrupted checkpoint is refused before anything is loaded.
         folder = os.path.join(resume_from_checkpoint, HEADS_SUBDIR)
+        loaded = None
         if self.spec_heads is not None and os.path.isdir(folder):
-            load_heads_into(self.spec_heads, folder)
-            state = os.path.join(folder, CONSOLIDATION_STATE)
-            if self.spec_consolidation is not None and os.path.isfile(state):
-                with open(state) as f:
-                    self.spec_consolidation.load_state_dict(json.load(f))
+            try:
+                if is_peft_wrapped(self.spec_heads):
+                    loaded = read_adapter_state(folder)
+                else:
+                    loaded = SpeculativeHeads.from_pretrained(folder)
+                    loaded.check_compatible(self._policy_for_heads())
+            except (OSError, ValueError) as err:
+                raise ValueError(f"refusing to resume from {resume_from_checkpoint!r}: its speculative heads "
+                                 f"({HEADS_SUBDIR}/) cannot be loaded: {err}") from err
+        elif self.spec_heads is not None:
+            warnings.warn(f"checkpoint {resume_from_checkpoint!r} has no {HEADS_SUBDIR}/ folder; resuming with the "
+                          "current speculative heads", stacklevel=2)
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        if isinstance(loaded, dict):
+            apply_adapter_state(self.spec_heads, loaded)
+        elif loaded is not None:
+            if loaded.config == self.spec_heads.config:
+                self.spec_heads.load_state_dict(loaded.state_dict())
+            else:  # the checkpoint's heads have another shape: they replace the current ones
+                ref = next(self.spec_heads.parameters())
+                self.spec_heads = loaded.to(device=ref.device, dtype=ref.dtype)
+                self._spec_engine = None
+        state = os.path.join(folder, CONSOLIDATION_STATE)
+        if self.spec_consolidation is not None and os.path.isfile(state):
+            with open(state) as f:
+                self.spec_consolidation.load_state_dict(json.load(f))

@@ -1,6 +1,10 @@
 """Sharded training on CPU for real: DeepSpeed ZeRO-2 / ZeRO-3 (with and without gathering for generation, with
 and without zero.Init) under a 2-process ``accelerate launch``, running tests/sharded_grpo_run.py on the nano
-policy. Under ZeRO-3 the engine must keep both ranks issuing forwards until both are done (SPEC 2.7).
+policy; and the engine on an FSDP2 (``fully_shard``) model over gloo. Under sharded parameters the engine must keep
+both ranks issuing forwards until both are done (SPEC 2.7).
+
+accelerate 1.15 enables FSDP only for GPU-like device types, so an FSDP ``accelerate launch`` on CPU runs unsharded
+processes; the FSDP2 test therefore shards with torch directly.
 """
 
 import importlib.util
@@ -13,11 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import GenerationConfig
 
 from specroll_trl import SpeculativeHeads
+from specroll_trl.engine import SpeculativeGenerator, should_sync
 from specroll_trl.heads import lm_head_shape
 
-from .conftest import make_model
+from .conftest import left_padded, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 requires_deepspeed = pytest.mark.skipif(
@@ -98,3 +106,44 @@ def test_deepspeed_zero3_with_gather_for_generation(nano, tmp_path):
     records = launch_sharded_run("deepspeed_zero3_cpu.yaml", tmp_path)
     check_trained(records)
     check_lockstep(records)  # ZeRO-3 is detected either way, as transformers' generate does
+
+
+def _fsdp2_rank(rank: int, port: int, results):
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model = make_model(vocab=40, scale=3.0, seed=0)
+    heads = SpeculativeHeads.from_model(model, 2)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    forwards = [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    # rank 0 stops after 3 tokens, rank 1 generates 25: a rank that stopped forwarding would hang the other
+    gc = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=3 if rank == 0 else 25, eos_token_id=None,
+                          pad_token_id=0)
+    engine = SpeculativeGenerator(model, heads, gc, capacity=16)  # synced_gpus left to auto-detection
+    torch.manual_seed(rank)
+    ids, mask = left_padded([[5, 6, 7], [8, 9]])
+    out = engine.generate(ids, mask)
+    results[rank] = (should_sync(model, None), forwards[0], [len(c) for c in out.completion_ids],
+                     out.stats.get("sync_forwards", 0))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_fully_shard_on_cpu_keeps_ranks_in_lockstep():
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    port = _free_port()
+    procs = [ctx.Process(target=_fsdp2_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+        assert p.exitcode == 0
+    (synced0, forwards0, lengths0, extra0), (synced1, forwards1, lengths1, extra1) = results[0], results[1]
+    assert synced0 and synced1  # FSDP2 detected without being told
+    assert max(lengths0) <= 3 and max(lengths1) > 10
+    assert forwards0 == forwards1 and extra0 > 0 and extra1 == 0

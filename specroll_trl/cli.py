@@ -1,4 +1,4 @@
-"""``specroll-trl`` command line: demo, train-heads, bench generation."""
+"""``specroll-trl`` command line: demo, train-heads, bench, export-vllm."""
 
 from __future__ import annotations
 
@@ -94,6 +94,24 @@ def _bench(args) -> int:
     return 0
 
 
+def _export_vllm(args) -> int:
+    from . import zoo
+    from .export import export_vllm
+
+    model = zoo.resolve_policy(args.model) if args.model in zoo.PRESETS else args.model
+    try:
+        out = export_vllm(args.heads, model, args.out, adapter=args.adapter, share_lm_head=not args.lm_head_per_head,
+                          overwrite=args.overwrite)
+    except (OSError, ValueError) as err:
+        print(f"specroll-trl export-vllm: error: {err}", file=sys.stderr)
+        return 2
+    num_heads = json.loads((out / "config.json").read_text())["num_heads"]
+    spec = {"method": "medusa", "model": str(out.resolve()), "num_speculative_tokens": num_heads}
+    print(f"vLLM Medusa speculator ({num_heads} heads) written to {out}; serve it with\n"
+          f"  --speculative-config '{json.dumps(spec)}'")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroll-trl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-nodes", type=int, default=16)
     bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
     bench.set_defaults(func=_bench)
+
+    export = sub.add_parser("export-vllm", help="write heads as a vLLM Medusa speculator (config.json + safetensors)")
+    export.add_argument("--heads", required=True, help="heads folder (e.g. a checkpoint's spec_heads/)")
+    export.add_argument("--model", required=True, help="zoo preset or HF folder of the target policy (its lm_head)")
+    export.add_argument("--out", required=True, help="empty (or previous export) folder to write to")
+    export.add_argument("--adapter", default=None, help="PEFT LoRA adapter folder for the heads, merged before export")
+    export.add_argument("--lm-head-per-head", action="store_true",
+                        help="one lm_head copy per head instead of one shared copy (original_lm_head)")
+    export.add_argument("--overwrite", action="store_true", help="replace a previous export in --out")
+    export.set_defaults(func=_export_vllm)
     return parser
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from .heads import SpeculativeHeads, lm_head_of
+from .heads import SpeculativeHeads, lm_head_of, lm_head_shape
 from .hooks import StepFeedback, StepHook
 from .kvcache import RaggedCache
 from .tree import PathTable, node_budget, select_tree
@@ -114,7 +114,7 @@ def profile_capacity(model, batch_size: int = 8, context: int = 128, eps: float 
     """``C_hw``: the largest total query-token count per forward whose latency stays within ``1 + eps`` of a
     one-token-per-row forward (``batch_size`` rows, ``context`` cached tokens)."""
     device = next(model.parameters()).device
-    vocab = lm_head_of(model).weight.shape[0]
+    vocab = lm_head_shape(lm_head_of(model))[0]
     prompt = torch.randint(0, vocab, (batch_size, context), device=device)
 
     def latency(k: int) -> float:
@@ -285,7 +285,7 @@ class SpeculativeGenerator:
         rows, root, hidden = rows[keep], root[keep], hidden[keep]
         kv.keep_rows(keep)
         for hook in self.hooks:
-            hook.start(batch, self.heads.num_heads, self.lm_head.weight.shape[1], self.lm_head)
+            hook.start(batch, self.heads.num_heads, lm_head_shape(self.lm_head)[1], self.lm_head)
         synced = should_sync(self.model, self.config.synced_gpus)
         step = 0
         while True:

@@ -78,17 +78,18 @@ class SpeculativeHeads(nn.Module):
     def from_model(cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1) -> SpeculativeHeads:
         """Zero-initialised heads sized for ``model`` (a HF causal LM), on its device and dtype."""
         lm_head = lm_head_of(model)
+        vocab, hidden = lm_head_shape(lm_head)
         config = SpeculativeHeadsConfig(
             num_heads=num_heads,
-            hidden_size=lm_head.weight.shape[1],
-            vocab_size=lm_head.weight.shape[0],
+            hidden_size=hidden,
+            vocab_size=vocab,
             num_layers=num_layers,
         )
         return cls(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
 
     def check_compatible(self, model: nn.Module) -> None:
         """Raise ``ValueError`` naming the mismatch if these heads cannot run on ``model``."""
-        vocab, hidden = lm_head_of(model).weight.shape
+        vocab, hidden = lm_head_shape(lm_head_of(model))
         if hidden != self.config.hidden_size:
             raise ValueError(
                 f"heads expect hidden size {self.config.hidden_size} but the model's lm_head takes {hidden}"
@@ -167,9 +168,15 @@ def check_heads_folder(directory: str | os.PathLike) -> Path:
 def lm_head_of(model: nn.Module) -> nn.Module:
     """The model's output projection, shared by every head."""
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if lm_head is None or not hasattr(lm_head, "weight") or lm_head.weight.dim() != 2:
+    if lm_head is None or not hasattr(lm_head, "weight") or len(lm_head_shape(lm_head)) != 2:
         raise ValueError(f"{type(model).__name__} has no linear output embedding (lm_head) to share with heads")
     return lm_head
+
+
+def lm_head_shape(lm_head: nn.Module) -> tuple[int, ...]:
+    """``(vocab, hidden)`` of the lm_head's weight, also while DeepSpeed ZeRO-3 holds it partitioned (its local
+    ``shape`` is then ``(0,)`` and the full one is ``ds_shape``)."""
+    return tuple(getattr(lm_head.weight, "ds_shape", lm_head.weight.shape))
 
 
 ADAPTER_SUBDIR = "adapter"

@@ -1,0 +1,67 @@
+"""A tiny SpecGRPOTrainer run for the sharded-training tests, started by ``accelerate launch`` (not collected by
+pytest). Each rank prints one ``SHARDED_RUN {json}`` line: the engine's per-call sync decision and forward counts,
+so the test can check that ranks stayed in lockstep.
+
+    DS_ACCELERATOR=cpu accelerate launch --config_file accelerate_configs/deepspeed_zero3_cpu.yaml \\
+        tests/sharded_grpo_run.py --output-dir /tmp/run --no-ds3-gather
+"""
+
+import argparse
+import json
+
+import torch
+
+from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, engine, zoo
+from specroll_trl.data import make_arithmetic_task
+from specroll_trl.rewards import REWARD_FUNCS
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--max-steps", type=int, default=2)
+    parser.add_argument("--no-ds3-gather", action="store_true", help="GRPOConfig(ds3_gather_for_generation=False)")
+    args = parser.parse_args()
+
+    sync_decisions: list[bool] = []
+    decide = engine.should_sync
+
+    def recording_should_sync(model, requested):
+        sync_decisions.append(decide(model, requested))
+        return sync_decisions[-1]
+
+    engine.should_sync = recording_should_sync
+    calls: list[dict] = []
+    generate = engine.SpeculativeGenerator.generate
+
+    def recording_generate(self, input_ids, attention_mask):
+        out = generate(self, input_ids, attention_mask)
+        calls.append({"rows": int(input_ids.shape[0]), "forwards": out.stats["forwards"],
+                      "sync_forwards": out.stats.get("sync_forwards", 0),
+                      "lengths": [len(c) for c in out.completion_ids]})
+        return out
+
+    engine.SpeculativeGenerator.generate = recording_generate
+
+    config = SpecGRPOConfig(
+        output_dir=args.output_dir, max_steps=args.max_steps, num_generations=4, per_device_train_batch_size=4,
+        max_completion_length=24, learning_rate=1e-4, logging_steps=1, report_to="none", bf16=False,
+        save_strategy="no", seed=0, disable_tqdm=True, spec_heads_path=str(zoo.heads_dir("nano")),
+        spec_capacity=256, ds3_gather_for_generation=not args.no_ds3_gather,
+        # without a GPU accelerate finds no backend for DeepSpeed and would run each rank as a world of one
+        ddp_backend=None if torch.cuda.is_available() else "gloo",
+    )
+    trainer = SpecGRPOTrainer(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=config,
+                              train_dataset=make_arithmetic_task(32, seed=3))
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    taus = [row["spec/tau"] for row in trainer.state.log_history if "spec/tau" in row]
+    record = {"rank": trainer.accelerator.process_index, "world": trainer.accelerator.num_processes,
+              "distributed_type": str(trainer.accelerator.distributed_type), "synced": sync_decisions,
+              "calls": calls, "steps": trainer.state.global_step, "losses": losses, "taus": taus,
+              "finite": all(torch.isfinite(torch.tensor(losses)).tolist())}
+    print("SHARDED_RUN " + json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

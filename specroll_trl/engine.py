@@ -294,6 +294,8 @@ class SpeculativeGenerator:
                 for hook in self.hooks:
                     z = hook.adjust(rows, z)
                 head_logp = torch.log_softmax(self.lm_head(z).float(), dim=-1)
+                for hook in self.hooks:
+                    head_logp = hook.adjust_logprobs(rows, head_logp)
                 topk_logp, topk_ids = head_logp.topk(self.config.topk_per_head, dim=-1)
             tree = select_tree(root, topk_ids, topk_logp, self.table, num_nodes)
 

@@ -1,8 +1,9 @@
 """Per-step hooks of the speculative engine: adjust proposals before drafting, receive verifier feedback after.
 
 The engine calls, once per ``generate`` call, ``start``; then every decoding step ``adjust`` (it may change
-the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``) and ``feedback`` (what the
-verifier learnt this step). Hooks can only change *proposals*; what is emitted stays exactly distributed as
+the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``), ``adjust_logprobs`` (it may
+change the heads' log-probabilities the candidates and their tree scores are taken from) and ``feedback`` (what
+the verifier learnt this step). Hooks can only change *proposals*; what is emitted stays exactly distributed as
 the target samples it. Reflex (``specroll_trl.reflex``) is the first hook.
 """
 
@@ -55,6 +56,13 @@ class StepHook:
     def adjust(self, rows: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Return the hidden states (``[B, H, D]``) the heads' candidates are taken from."""
         return z
+
+    def adjust_logprobs(self, rows: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """Return the scores (``[B, H, V]``, the heads' log-probabilities from ``lm_head(z)``) whose top-k become
+        the tree's candidates; the kept values are the candidates' scores (tree selection multiplies them
+        along a path, so they must stay <= 0). A hook may add a logit bias (then renormalise) or calibrate a head's
+        confidence."""
+        return logp
 
     def feedback(self, step: StepFeedback) -> None:
         """Consume one step's verification results."""

@@ -1,4 +1,4 @@
-"""Reflex: gradient-free, trajectory-local correction of the heads' hidden states (SPEC 2.5).
+"""Reflex: gradient-free, trajectory-local correction of the heads' proposals (SPEC 2.5).
 
 Head ``d`` at step ``s`` proposed for completion index ``root + d`` from ``z_d``. When that index is committed
 (this step or a later one) the verifier knows the target distribution ``p`` there and the realised token.
@@ -11,34 +11,62 @@ Through the shared vocabulary projection ``W`` (the ``lm_head`` weight), restric
 * reliability ``rho <- EMA(cos(M_before, f))``; correction ``z' = z + eta g M`` with
   ``g = clip((rho - rho_min) / (1 - rho_min), 0, 1)`` and ``||eta g M|| <= kappa ||z||``.
 
-State lives per (row, head) for one ``generate`` call only; everything is vectorised over rows and heads.
-Reflex only changes proposals, never what the verifier emits.
+That is the SPEC's baseline (``ReflexConfig()``). Both error terms are ``u @ W`` for a vocabulary-space
+residual ``u = a (p - q)_S + b (m - (sum m) q_S)``, which the variants reuse:
+
+* ``step="relative"``: the correction is ``kappa g ||z|| M / ||M||`` (sized by ``||z||``, not by ``||M||``);
+* ``gate="vocab"`` / ``"open"``: reliability from ``cos(U_before, u)`` in vocabulary space (``U`` = EMA of
+  ``u``), or no gate (``g = 1``);
+* ``signal="token"``: ``u = onehot(x) - q`` (the cross-entropy gradient of the realised token ``x``);
+* ``share_heads``: one memory per row, fed by all its heads (drift is shared by the heads);
+* ``num_heads``: only heads ``1..n`` are corrected and fed back (cheaper);
+* ``bias``: a vocabulary-level memory: the heads' log-probabilities get ``bias * g * U`` added (renormalised),
+  so tokens the target recently wanted and the head under-predicted come back as candidates;
+* ``calibrate="head"`` / ``"rank"``: per (row, head) [and candidate rank] the tree scores are shifted by
+  ``log(EMA p(candidates) / EMA q(candidates))`` (capped at log-prob 0), so a head that is confidently wrong
+  gets fewer deep nodes. Changes tree shape, not candidates.
+
+Named combinations: :meth:`ReflexConfig.preset`. State lives per (row, head) for one ``generate`` call only;
+everything is vectorised over rows and heads. Reflex only changes proposals, never what the verifier emits.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn import functional as F
 
 from .hooks import StepFeedback, StepHook
 
+STEPS = ("absolute", "relative")
+GATES = ("hidden", "vocab", "open")
+SIGNALS = ("distribution", "token")
+CALIBRATIONS = ("none", "head", "rank")
+
 
 @dataclass
 class ReflexConfig:
-    """Reflex parameters.
+    """Reflex parameters (defaults: the SPEC 2.5 baseline).
 
     Args:
-        eta: correction step size.
+        eta: correction step size (hidden-state correction; 0 disables it).
         lam: memory EMA factor (``M <- lam M + (1 - lam) f``).
         rho_min: the gate opens only while the reliability EMA exceeds this.
         rho_decay: EMA factor of the reliability score.
-        kappa: bound on the correction norm relative to ``||z||``.
+        kappa: bound on the correction norm relative to ``||z||`` (with ``step="relative"``: its size).
         dist_weight: weight ``a`` of the distribution error.
         cov_weight: weight ``b`` of the coverage error.
         support_k: top-K of ``p`` and of ``q`` forming the support ``S``.
+        step: ``"absolute"`` (``eta g M``, capped) or ``"relative"`` (``kappa g ||z|| M / ||M||``).
+        gate: reliability from cosines in ``"hidden"`` space, in ``"vocab"`` space, or ``"open"`` (``g = 1``).
+        signal: ``"distribution"`` (``a r_dist + b r_cov``) or ``"token"`` (``W[x] - W^T q``).
+        share_heads: one memory (and reliability) per row, pooled over its heads.
+        num_heads: correct only heads ``1..num_heads`` (0: all).
+        bias: weight of the vocabulary-level memory added to the heads' log-probabilities (0: off).
+        calibrate: ``"none"``, ``"head"`` (one score shift per row and head) or ``"rank"`` (per candidate rank).
+        calib_decay: EMA factor of the calibration statistics.
     """
 
     eta: float = 1.0
@@ -49,6 +77,14 @@ class ReflexConfig:
     dist_weight: float = 1.0
     cov_weight: float = 1.0
     support_k: int = 8
+    step: str = "absolute"
+    gate: str = "hidden"
+    signal: str = "distribution"
+    share_heads: bool = False
+    num_heads: int = 0
+    bias: float = 0.0
+    calibrate: str = "none"
+    calib_decay: float = 0.9
 
     def __post_init__(self):
         if not 0 <= self.lam < 1:
@@ -57,10 +93,38 @@ class ReflexConfig:
             raise ValueError(f"reflex rho_min must be in [-1, 1), got {self.rho_min}")
         if not 0 <= self.rho_decay < 1:
             raise ValueError(f"reflex rho_decay must be in [0, 1), got {self.rho_decay}")
-        if self.eta < 0 or self.kappa < 0:
-            raise ValueError(f"reflex eta and kappa must be >= 0, got {self.eta}, {self.kappa}")
+        if self.eta < 0 or self.kappa < 0 or self.bias < 0:
+            raise ValueError(f"reflex eta, kappa and bias must be >= 0, got {self.eta}, {self.kappa}, {self.bias}")
         if self.support_k < 1:
             raise ValueError(f"reflex support_k must be >= 1, got {self.support_k}")
+        if self.num_heads < 0:
+            raise ValueError(f"reflex num_heads must be >= 0, got {self.num_heads}")
+        if not 0 <= self.calib_decay < 1:
+            raise ValueError(f"reflex calib_decay must be in [0, 1), got {self.calib_decay}")
+        for name, allowed in (("step", STEPS), ("gate", GATES), ("signal", SIGNALS), ("calibrate", CALIBRATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"reflex {name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ReflexConfig:
+        """A named variant (see ``PRESETS``), optionally with fields overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown reflex preset {name!r}; choose from {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+PRESETS: dict[str, ReflexConfig] = {
+    "baseline": ReflexConfig(),
+    "open": ReflexConfig(gate="open"),
+    "relative": ReflexConfig(step="relative", kappa=0.1),
+    "relative-open": ReflexConfig(step="relative", kappa=0.1, gate="open"),
+    "vocab-gate": ReflexConfig(step="relative", kappa=0.1, gate="vocab", rho_min=0.1),
+    "token": ReflexConfig(signal="token", step="relative", kappa=0.1, gate="open"),
+    "shared": ReflexConfig(share_heads=True, step="relative", kappa=0.1, gate="open"),
+    "bias": ReflexConfig(eta=0.0, bias=2.0, gate="open"),
+    "calib-head": ReflexConfig(eta=0.0, calibrate="head"),
+    "calib-rank": ReflexConfig(eta=0.0, calibrate="rank"),
+}
 
 
 class Reflex(StepHook):
@@ -69,35 +133,98 @@ class Reflex(StepHook):
     def __init__(self, config: ReflexConfig | None = None):
         self.config = config or ReflexConfig()
 
+    @property
+    def _uses_vocab_memory(self) -> bool:
+        return self.config.gate == "vocab" or self.config.bias > 0
+
     def start(self, batch_size, num_heads, hidden_size, lm_head):
+        c = self.config
         device, dtype = lm_head.weight.device, torch.float32
         self.weight = lm_head.weight
+        self.heads = min(c.num_heads or num_heads, num_heads)  # heads corrected and fed back
+        state = 1 if c.share_heads else self.heads  # memories per row
         slots = num_heads  # a head's unresolved proposals target distinct indices within the next H
-        self.memory = torch.zeros((batch_size, num_heads, hidden_size), device=device, dtype=dtype)
-        self.rho = torch.zeros((batch_size, num_heads), device=device, dtype=dtype)
-        self.pending_index = torch.full((batch_size, num_heads, slots), -1, device=device, dtype=torch.long)
-        self.pending_z = torch.zeros((batch_size, num_heads, slots, hidden_size), device=device, dtype=dtype)
-        self.pending_cand = None
+        self.memory = torch.zeros((batch_size, state, hidden_size), device=device, dtype=dtype)
+        vocab = lm_head.weight.shape[0] if self._uses_vocab_memory else 0
+        self.vocab_memory = torch.zeros((batch_size, state, vocab), device=device, dtype=dtype)
+        self.rho = torch.zeros((batch_size, state), device=device, dtype=dtype)
+        self.pending_index = torch.full((batch_size, self.heads, slots), -1, device=device, dtype=torch.long)
+        self.pending_z = torch.zeros((batch_size, self.heads, slots, hidden_size), device=device, dtype=dtype)
+        self.pending_cand = self.pending_score = None
+        self.calib = None  # [B, heads, K, 2]: EMA of target and head mass on the candidates of each rank
+        self._last_logp = None
         self._gate_sum = self._norm_sum = 0.0
         self._gate_n = self._feedback_n = 0
         self._seconds = 0.0
+        self._agree_sum, self._agree_n = 0.0, 0
 
     def gate(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[len(rows), heads]`` gate of each (row, corrected head)."""
         c = self.config
-        return ((self.rho[rows] - c.rho_min) / (1 - c.rho_min)).clamp(0, 1)
+        rho = self.rho[rows]
+        if c.gate == "open":
+            g = torch.ones_like(rho)
+        else:
+            g = ((rho - c.rho_min) / (1 - c.rho_min)).clamp(0, 1)
+        return g.expand(-1, self.heads) if c.share_heads else g
+
+    def _state(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        out = tensor[rows]
+        return out.expand(-1, self.heads, *out.shape[2:]) if self.config.share_heads else out
 
     @torch.no_grad()
     def adjust(self, rows, z):
+        c = self.config
+        if c.eta == 0:
+            return z
         start = time.perf_counter()
+        n = self.heads
         g = self.gate(rows)
-        step = self.config.eta * g[..., None] * self.memory[rows]
-        z_norm = z.float().norm(dim=-1, keepdim=True)
-        step_norm = step.norm(dim=-1, keepdim=True)
-        step = step * (self.config.kappa * z_norm / step_norm.clamp(min=1e-12)).clamp(max=1.0)
+        memory = self._state(self.memory, rows)
+        z_head = z[:, :n].float()
+        z_norm = z_head.norm(dim=-1, keepdim=True)
+        if c.step == "relative":
+            step = (c.kappa * g[..., None]) * z_norm * memory / memory.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+        else:
+            step = c.eta * g[..., None] * memory
+            step_norm = step.norm(dim=-1, keepdim=True)
+            step = step * (c.kappa * z_norm / step_norm.clamp(min=1e-12)).clamp(max=1.0)
         self._gate_sum += float(g.sum())
         self._norm_sum += float((step.norm(dim=-1) / z_norm.squeeze(-1).clamp(min=1e-12)).sum())
         self._gate_n += g.numel()
-        out = (z.float() + step).to(z.dtype)
+        out = z.clone()
+        out[:, :n] = (z_head + step).to(z.dtype)
+        self._seconds += time.perf_counter() - start
+        return out
+
+    @torch.no_grad()
+    def adjust_logprobs(self, rows, logp):
+        c = self.config
+        if c.bias == 0 and c.calibrate == "none":
+            return logp
+        start = time.perf_counter()
+        n = self.heads
+        head_logp = logp[:, :n]
+        if c.bias > 0:
+            if c.eta == 0:  # otherwise adjust() already counted the gate
+                g = self.gate(rows)
+                self._gate_sum += float(g.sum())
+                self._gate_n += g.numel()
+            else:
+                g = self.gate(rows)
+            head_logp = torch.log_softmax(head_logp + (c.bias * g[..., None]) * self._state(self.vocab_memory, rows),
+                                          dim=-1)
+        self._last_logp = head_logp  # scores before calibration: what the head claims
+        if c.calibrate != "none" and self.calib is not None:
+            stats = self.calib[rows]  # [B, n, K, 2]
+            if c.calibrate == "head":
+                stats = stats.sum(2, keepdim=True)
+            shift = (stats[..., 0].clamp(min=1e-6) / stats[..., 1].clamp(min=1e-6)).log()  # [B, n, K or 1]
+            k = self.calib.shape[2]
+            top_logp, top_ids = head_logp.topk(k, dim=-1)
+            head_logp = head_logp.scatter(-1, top_ids, (top_logp + shift).clamp(max=0.0))
+        out = logp.clone()
+        out[:, :n] = head_logp
         self._seconds += time.perf_counter() - start
         return out
 
@@ -108,10 +235,15 @@ class Reflex(StepHook):
         self._seconds += time.perf_counter() - start
 
     def _feedback(self, step: StepFeedback):
-        rows, heads = step.rows, self.memory.shape[1]
+        c = self.config
+        rows, heads = step.rows, self.heads
         if self.pending_cand is None and step.candidates is not None:
-            self.pending_cand = torch.full((*self.pending_index.shape, step.candidates.shape[-1]), -1,
-                                           device=self.pending_index.device, dtype=torch.long)
+            k = step.candidates.shape[-1]
+            self.pending_cand = torch.full((*self.pending_index.shape, k), -1, device=self.pending_index.device,
+                                           dtype=torch.long)
+            self.pending_score = torch.zeros((*self.pending_index.shape, k), device=self.pending_index.device)
+            if c.calibrate != "none":
+                self.calib = torch.ones((self.rho.shape[0], heads, k, 2), device=self.pending_index.device)
         # 1. queue this step's proposals (if it drafted): head d proposed index root + d
         if step.z is not None:
             target = step.root_index[:, None] + torch.arange(1, heads + 1, device=rows.device)  # [B, H]
@@ -119,8 +251,11 @@ class Reflex(StepHook):
             r_idx = rows[:, None].expand(-1, heads)
             h_idx = torch.arange(heads, device=rows.device).expand(len(rows), -1)
             self.pending_index[r_idx, h_idx, free] = target
-            self.pending_z[r_idx, h_idx, free] = step.z.float()
-            self.pending_cand[r_idx, h_idx, free] = step.candidates
+            self.pending_z[r_idx, h_idx, free] = step.z[:, :heads].float()
+            cand = step.candidates[:, :heads]
+            self.pending_cand[r_idx, h_idx, free] = cand
+            if self.calib is not None and self._last_logp is not None:
+                self.pending_score[r_idx, h_idx, free] = self._last_logp.gather(-1, cand).exp()
         # 2. resolve every pending proposal whose index was committed this step, oldest first
         end = (step.root_index + step.count)[:, None, None]
         pending = self.pending_index[rows]  # [B, H, S]
@@ -136,34 +271,62 @@ class Reflex(StepHook):
             node = step.accepted[b, j]
             p = step.probs[b, node].float()
             orig, sl = rows[b], slot[b, d]
-            self._update(orig, d, self.pending_z[orig, d, sl], self.pending_cand[orig, d, sl], p)
+            self._update(orig, d, self.pending_z[orig, d, sl], self.pending_cand[orig, d, sl], p, step.emitted[b, j],
+                         self.pending_score[orig, d, sl])
             self.pending_index[orig, d, sl] = -1
         self.pending_index[rows[step.finished]] = -1
 
-    def _update(self, rows, heads, z, candidates, p):
-        """Feedback for ``N`` resolved proposals (row, head, stored ``z [N, D]``, candidates, target ``p``)."""
+    def _ema(self, tensor, keys_row, keys_state, values, decay):
+        """``tensor[row, state] <- decay * tensor + (1 - decay) * mean(values of that key)`` (keys may repeat)."""
+        flat = tensor.view(-1, *tensor.shape[2:])
+        key = keys_row * tensor.shape[1] + keys_state
+        uniq, inverse = key.unique(return_inverse=True)
+        total = torch.zeros((len(uniq), *values.shape[1:]), device=values.device, dtype=values.dtype)
+        total.index_add_(0, inverse, values)
+        count = torch.zeros(len(uniq), device=values.device, dtype=values.dtype).index_add_(
+            0, inverse, torch.ones_like(inverse, dtype=values.dtype))
+        mean = total / count.view(-1, *([1] * (values.dim() - 1)))
+        flat[uniq] = decay * flat[uniq] + (1 - decay) * mean
+
+    def _update(self, rows, heads, z, candidates, p, token, score):
+        """Feedback for ``N`` resolved proposals (row, head, stored ``z [N, D]``, candidates, target ``p``,
+        realised token, the candidates' scores when proposed)."""
         c = self.config
         weight = self.weight.float()
         q = torch.softmax(F.linear(z, weight), dim=-1)
-        k = min(c.support_k, p.shape[-1])
-        p_top = torch.zeros_like(p, dtype=torch.bool).scatter_(1, p.topk(k, -1).indices, True)
-        support = p_top.clone().scatter_(1, q.topk(k, -1).indices, True)
-        r_dist = ((p - q) * support) @ weight
-        offered = torch.zeros_like(p_top).scatter_(1, candidates.clamp(min=0), candidates >= 0)
-        missed = p * (p_top & ~offered)
-        r_cov = missed @ weight - missed.sum(-1, keepdim=True) * ((q * support) @ weight)
-        f = c.dist_weight * r_dist + c.cov_weight * r_cov
-        before = self.memory[rows, heads]
-        agreement = F.cosine_similarity(before, f, dim=-1)
+        offered = torch.zeros_like(p, dtype=torch.bool).scatter_(1, candidates.clamp(min=0), candidates >= 0)
+        if c.signal == "token":
+            u = F.one_hot(token, p.shape[-1]).to(q.dtype) - q
+        else:
+            k = min(c.support_k, p.shape[-1])
+            p_top = torch.zeros_like(p, dtype=torch.bool).scatter_(1, p.topk(k, -1).indices, True)
+            support = p_top.clone().scatter_(1, q.topk(k, -1).indices, True)
+            missed = p * (p_top & ~offered)
+            u = c.dist_weight * (p - q) * support + c.cov_weight * (missed - missed.sum(-1, keepdim=True) * q * support)
+        f = u @ weight
+        state = torch.zeros_like(heads) if c.share_heads else heads
+        if c.gate == "vocab":
+            before, new = self.vocab_memory[rows, state], u
+        else:
+            before, new = self.memory[rows, state], f
+        agreement = F.cosine_similarity(before, new, dim=-1)
         agreement = torch.where(before.norm(dim=-1) > 0, agreement, torch.zeros_like(agreement))
-        self.rho[rows, heads] = c.rho_decay * self.rho[rows, heads] + (1 - c.rho_decay) * agreement
-        self.memory[rows, heads] = c.lam * before + (1 - c.lam) * f
+        self._agree_sum += float(agreement.sum())
+        self._agree_n += len(rows)
+        self._ema(self.rho, rows, state, agreement, c.rho_decay)
+        self._ema(self.memory, rows, state, f, c.lam)
+        if self._uses_vocab_memory:
+            self._ema(self.vocab_memory, rows, state, u, c.lam)
+        if self.calib is not None:
+            target = p.gather(-1, candidates.clamp(min=0)) * (candidates >= 0)
+            self._ema(self.calib, rows, heads, torch.stack([target, score], dim=-1), c.calib_decay)
         self._feedback_n += len(rows)
 
     def metrics(self):
         return {
             "reflex_gate": self._gate_sum / max(1, self._gate_n),
             "reflex_norm": self._norm_sum / max(1, self._gate_n),
+            "reflex_agreement": self._agree_sum / max(1, self._agree_n),
             "reflex_feedback": float(self._feedback_n),
             "reflex_seconds": self._seconds,
         }

@@ -110,7 +110,7 @@ SPEC_DEFAULTS = {f.name: f.default for f in fields(SpecGRPOConfig) if f.name.sta
 def reflex_config_from(spec_args: dict) -> ReflexConfig:
     """The ``ReflexConfig`` described by ``spec_reflex_*`` fields."""
     names = [f.name for f in fields(ReflexConfig)]
-    return ReflexConfig(**{n: spec_args[f"spec_reflex_{n}"] for n in names})
+    return ReflexConfig(**{n: spec_args[f"spec_reflex_{n}"] for n in names if f"spec_reflex_{n}" in spec_args})
 
 
 class SpecGRPOTrainer(GRPOTrainer):

@@ -269,6 +269,7 @@ class SpeculativeGenerator:
         kv.keep_rows(keep)
         for hook in self.hooks:
             hook.start(batch, self.heads.num_heads, self.lm_head.weight.shape[1], self.lm_head)
+            hook.observe_prompts(input_ids, attention_mask)
         synced = should_sync(self.model, self.config.synced_gpus)
         step = 0
         while True:

@@ -1,9 +1,10 @@
 """Per-step hooks of the speculative engine: adjust proposals before drafting, receive verifier feedback after.
 
-The engine calls, once per ``generate`` call, ``start``; then every decoding step ``adjust`` (it may change
-the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``), ``adjust_logprobs`` (it may
-change the heads' log-probabilities the candidates and their tree scores are taken from) and ``feedback`` (what
-the verifier learnt this step). Hooks can only change *proposals*; what is emitted stays exactly distributed as
+The engine calls, once per ``generate`` call, ``start`` and ``observe_prompts``; then every decoding step
+``adjust`` (it may change the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``),
+``adjust_logprobs`` (it may change the heads' log-probabilities the candidates and their tree scores are taken
+from) and ``feedback`` (what the verifier learnt this step). Hooks can only change *proposals*; what is emitted
+stays exactly distributed as
 the target samples it. Reflex (``specroll_trl.reflex``) is the first hook.
 """
 
@@ -52,6 +53,9 @@ class StepHook:
 
     def start(self, batch_size: int, num_heads: int, hidden_size: int, lm_head: torch.nn.Module) -> None:
         """A new ``generate`` call: reset all per-row state for ``batch_size`` fresh rows."""
+
+    def observe_prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Right after ``start``: the ``[batch_size, T]`` left-padded prompts of the call's rows."""
 
     def adjust(self, rows: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Return the hidden states (``[B, H, D]``) the heads' candidates are taken from."""

@@ -22,6 +22,10 @@ residual ``u = a (p - q)_S + b (m - (sum m) q_S)``, which the variants reuse:
 * ``num_heads``: only heads ``1..n`` are corrected and fed back (cheaper);
 * ``bias``: a vocabulary-level memory: the heads' log-probabilities get ``bias * g * U`` added (renormalised),
   so tokens the target recently wanted and the head under-predicted come back as candidates;
+* ``lookup``: a trajectory-local token memory (the row's prompt and committed completion). Head ``d`` is offered
+  the token that followed, ``d`` places on, the latest earlier occurrence of the current root (bigram match
+  preferred): ``q' = (1 - w) q + w onehot(lookup)``, ``w`` = that (row, head)'s observed lookup hit rate (EMA of
+  the feedback: was the looked-up token the realised one). A number being copied comes back as a candidate;
 * ``calibrate="head"`` / ``"rank"``: per (row, head) [and candidate rank] the tree scores are shifted by
   ``log(EMA p(candidates) / EMA q(candidates))`` (capped at log-prob 0), so a head that is confidently wrong
   gets fewer deep nodes. Changes tree shape, not candidates.
@@ -67,6 +71,9 @@ class ReflexConfig:
         bias: weight of the vocabulary-level memory added to the heads' log-probabilities (0: off).
         calibrate: ``"none"``, ``"head"`` (one score shift per row and head) or ``"rank"`` (per candidate rank).
         calib_decay: EMA factor of the calibration statistics.
+        lookup: offer each head the token the row's own history continues with (see the module docstring).
+        lookup_prior: initial hit rate (mixing weight) of the lookup token, per (row, head).
+        lookup_decay: EMA factor of the lookup hit rate.
     """
 
     eta: float = 1.0
@@ -85,6 +92,9 @@ class ReflexConfig:
     bias: float = 0.0
     calibrate: str = "none"
     calib_decay: float = 0.9
+    lookup: bool = False
+    lookup_prior: float = 0.3
+    lookup_decay: float = 0.8
 
     def __post_init__(self):
         if not 0 <= self.lam < 1:
@@ -99,6 +109,9 @@ class ReflexConfig:
             raise ValueError(f"reflex support_k must be >= 1, got {self.support_k}")
         if self.num_heads < 0:
             raise ValueError(f"reflex num_heads must be >= 0, got {self.num_heads}")
+        if not 0 <= self.lookup_prior <= 1 or not 0 <= self.lookup_decay < 1:
+            raise ValueError(f"reflex lookup_prior must be in [0, 1] and lookup_decay in [0, 1), got "
+                             f"{self.lookup_prior}, {self.lookup_decay}")
         if not 0 <= self.calib_decay < 1:
             raise ValueError(f"reflex calib_decay must be in [0, 1), got {self.calib_decay}")
         for name, allowed in (("step", STEPS), ("gate", GATES), ("signal", SIGNALS), ("calibrate", CALIBRATIONS)):
@@ -124,6 +137,9 @@ PRESETS: dict[str, ReflexConfig] = {
     "bias": ReflexConfig(eta=0.0, bias=2.0, gate="open"),
     "calib-head": ReflexConfig(eta=0.0, calibrate="head"),
     "calib-rank": ReflexConfig(eta=0.0, calibrate="rank"),
+    "lookup": ReflexConfig(eta=0.0, lookup=True),
+    "lookup-calib": ReflexConfig(eta=0.0, lookup=True, calibrate="head"),
+    "lookup-bias": ReflexConfig(eta=0.0, lookup=True, bias=2.0, gate="open"),
 }
 
 
@@ -157,6 +173,52 @@ class Reflex(StepHook):
         self._gate_n = self._feedback_n = 0
         self._seconds = 0.0
         self._agree_sum, self._agree_n = 0.0, 0
+        self.history = None  # [B, L] prompt (left-padded, pads -1) + completion tokens, -1 where unknown
+        self.known = torch.zeros(batch_size, device=device, dtype=torch.long)  # history positions filled
+        self.lookup_rate = torch.full((batch_size, self.heads), c.lookup_prior, device=device, dtype=dtype)
+        self.pending_lookup = torch.full_like(self.pending_index, -1)
+        self._last_lookup = None
+        self._lookup_hits = self._lookup_n = self._lookup_offered = 0
+
+    def observe_prompts(self, input_ids, attention_mask):
+        if not self.config.lookup:
+            return
+        prompt = torch.where(attention_mask.bool(), input_ids, -1)
+        self.offset = prompt.shape[1]  # completion index i lives at history position offset + i
+        self.history = torch.cat([prompt, torch.full_like(prompt[:, :1], -1).expand(-1, 256)], dim=1).clone()
+
+    def _record(self, step: StepFeedback):
+        """Write this step's root and committed tokens into the rows' histories."""
+        width = step.emitted.shape[1]
+        need = self.offset + int((step.root_index + step.count).max()) + 1
+        if need > self.history.shape[1]:
+            grow = max(need - self.history.shape[1], self.history.shape[1])
+            self.history = torch.cat([self.history, self.history.new_full((self.history.shape[0], grow), -1)], 1)
+        pos = self.offset + step.root_index
+        self.history[step.rows, pos] = step.tree.tokens[:, 0]
+        j = torch.arange(width, device=pos.device)
+        write = j[None] < step.count[:, None]
+        self.history[step.rows[:, None].expand(-1, width)[write], (pos[:, None] + 1 + j[None])[write]] = \
+            step.emitted[write]
+        self.known[step.rows] = pos + step.count + 1
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[B, heads]`` the token each head's lookup offers (``-1``: none)."""
+        n = self.heads
+        known = self.known[rows]
+        hist = self.history[rows]
+        last = (known - 1).clamp(min=1)[:, None]  # the root's position
+        root = hist.gather(1, last)
+        prev = hist.gather(1, last - 1)
+        pos = torch.arange(hist.shape[1], device=hist.device)[None]
+        before = torch.cat([hist.new_full((len(rows), 1), -1), hist[:, :-1]], 1)
+        one = (hist == root) & (pos < last) & (root >= 0)
+        score = torch.where(one, 1 + ((before == prev) & (prev >= 0)).long(), 0) * hist.shape[1] + pos
+        best = score.max(1)
+        found = (best.values >= hist.shape[1]) & (known > 0)
+        at = best.indices[:, None] + torch.arange(1, n + 1, device=hist.device)[None]  # [B, n]
+        ok = found[:, None] & (at <= last)
+        return torch.where(ok, hist.gather(1, at.clamp(max=hist.shape[1] - 1)), -1)
 
     def gate(self, rows: torch.Tensor) -> torch.Tensor:
         """``[len(rows), heads]`` gate of each (row, corrected head)."""
@@ -200,7 +262,7 @@ class Reflex(StepHook):
     @torch.no_grad()
     def adjust_logprobs(self, rows, logp):
         c = self.config
-        if c.bias == 0 and c.calibrate == "none":
+        if c.bias == 0 and c.calibrate == "none" and not c.lookup:
             return logp
         start = time.perf_counter()
         n = self.heads
@@ -214,6 +276,14 @@ class Reflex(StepHook):
                 g = self.gate(rows)
             head_logp = torch.log_softmax(head_logp + (c.bias * g[..., None]) * self._state(self.vocab_memory, rows),
                                           dim=-1)
+        if c.lookup and self.history is not None:
+            offer = self._lookup(rows)  # [B, n]
+            self._last_lookup = offer
+            w = self.lookup_rate[rows] * (offer >= 0)
+            mixed = head_logp.exp() * (1 - w[..., None])
+            mixed.scatter_add_(-1, offer.clamp(min=0)[..., None], w[..., None])
+            head_logp = mixed.clamp(min=1e-30).log()
+            self._lookup_offered += int((offer >= 0).sum())
         self._last_logp = head_logp  # scores before calibration: what the head claims
         if c.calibrate != "none" and self.calib is not None:
             stats = self.calib[rows]  # [B, n, K, 2]
@@ -244,6 +314,8 @@ class Reflex(StepHook):
             self.pending_score = torch.zeros((*self.pending_index.shape, k), device=self.pending_index.device)
             if c.calibrate != "none":
                 self.calib = torch.ones((self.rho.shape[0], heads, k, 2), device=self.pending_index.device)
+        if self.history is not None:
+            self._record(step)
         # 1. queue this step's proposals (if it drafted): head d proposed index root + d
         if step.z is not None:
             target = step.root_index[:, None] + torch.arange(1, heads + 1, device=rows.device)  # [B, H]
@@ -256,6 +328,8 @@ class Reflex(StepHook):
             self.pending_cand[r_idx, h_idx, free] = cand
             if self.calib is not None and self._last_logp is not None:
                 self.pending_score[r_idx, h_idx, free] = self._last_logp.gather(-1, cand).exp()
+            if self._last_lookup is not None:
+                self.pending_lookup[r_idx, h_idx, free] = self._last_lookup
         # 2. resolve every pending proposal whose index was committed this step, oldest first
         end = (step.root_index + step.count)[:, None, None]
         pending = self.pending_index[rows]  # [B, H, S]
@@ -274,6 +348,16 @@ class Reflex(StepHook):
             self._update(orig, d, self.pending_z[orig, d, sl], self.pending_cand[orig, d, sl], p, step.emitted[b, j],
                          self.pending_score[orig, d, sl])
             self.pending_index[orig, d, sl] = -1
+            if self.config.lookup:
+                offered = self.pending_lookup[orig, d, sl]
+                has = offered >= 0
+                hit = (offered == step.emitted[b, j]).float()
+                rate = self.lookup_rate[orig, d]
+                decay = self.config.lookup_decay
+                self.lookup_rate[orig, d] = torch.where(has, decay * rate + (1 - decay) * hit, rate)
+                self._lookup_hits += int(hit[has].sum())
+                self._lookup_n += int(has.sum())
+                self.pending_lookup[orig, d, sl] = -1
         self.pending_index[rows[step.finished]] = -1
 
     def _ema(self, tensor, keys_row, keys_state, values, decay):
@@ -329,4 +413,5 @@ class Reflex(StepHook):
             "reflex_agreement": self._agree_sum / max(1, self._agree_n),
             "reflex_feedback": float(self._feedback_n),
             "reflex_seconds": self._seconds,
+            "reflex_lookup_hit": self._lookup_hits / max(1, self._lookup_n),
         }

@@ -74,6 +74,9 @@ class ReflexConfig:
         lookup: offer each head the token the row's own history continues with (see the module docstring).
         lookup_prior: initial hit rate (mixing weight) of the lookup token, per (row, head).
         lookup_decay: EMA factor of the lookup hit rate.
+        lookup_ngram: longest key (tokens ending at the root) the lookup matches; the longest match wins, the
+            latest among equals.
+        lookup_per_length: keep one hit rate per match length (a longer match is usually more reliable).
     """
 
     eta: float = 1.0
@@ -95,6 +98,8 @@ class ReflexConfig:
     lookup: bool = False
     lookup_prior: float = 0.3
     lookup_decay: float = 0.8
+    lookup_ngram: int = 2
+    lookup_per_length: bool = False
 
     def __post_init__(self):
         if not 0 <= self.lam < 1:
@@ -112,6 +117,8 @@ class ReflexConfig:
         if not 0 <= self.lookup_prior <= 1 or not 0 <= self.lookup_decay < 1:
             raise ValueError(f"reflex lookup_prior must be in [0, 1] and lookup_decay in [0, 1), got "
                              f"{self.lookup_prior}, {self.lookup_decay}")
+        if self.lookup_ngram < 1:
+            raise ValueError(f"reflex lookup_ngram must be >= 1, got {self.lookup_ngram}")
         if not 0 <= self.calib_decay < 1:
             raise ValueError(f"reflex calib_decay must be in [0, 1), got {self.calib_decay}")
         for name, allowed in (("step", STEPS), ("gate", GATES), ("signal", SIGNALS), ("calibrate", CALIBRATIONS)):
@@ -140,6 +147,10 @@ PRESETS: dict[str, ReflexConfig] = {
     "lookup": ReflexConfig(eta=0.0, lookup=True),
     "lookup-calib": ReflexConfig(eta=0.0, lookup=True, calibrate="head"),
     "lookup-bias": ReflexConfig(eta=0.0, lookup=True, bias=2.0, gate="open"),
+    "lookup1": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=1),
+    "lookup3": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=3),
+    "lookup3-len": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=3, lookup_per_length=True),
+    "lookup4-len": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=4, lookup_per_length=True),
 }
 
 
@@ -152,6 +163,11 @@ class Reflex(StepHook):
     @property
     def _uses_vocab_memory(self) -> bool:
         return self.config.gate == "vocab" or self.config.bias > 0
+
+    @property
+    def _uses_memory(self) -> bool:
+        """Whether the error memory (and its reliability gate) is used at all."""
+        return self.config.eta > 0 or self.config.bias > 0
 
     def start(self, batch_size, num_heads, hidden_size, lm_head):
         c = self.config
@@ -175,8 +191,10 @@ class Reflex(StepHook):
         self._agree_sum, self._agree_n = 0.0, 0
         self.history = None  # [B, L] prompt (left-padded, pads -1) + completion tokens, -1 where unknown
         self.known = torch.zeros(batch_size, device=device, dtype=torch.long)  # history positions filled
-        self.lookup_rate = torch.full((batch_size, self.heads), c.lookup_prior, device=device, dtype=dtype)
+        lengths = c.lookup_ngram if c.lookup_per_length else 1
+        self.lookup_rate = torch.full((batch_size, self.heads, lengths), c.lookup_prior, device=device, dtype=dtype)
         self.pending_lookup = torch.full_like(self.pending_index, -1)
+        self.pending_lookup_len = torch.zeros_like(self.pending_index)
         self._last_lookup = None
         self._lookup_hits = self._lookup_n = self._lookup_offered = 0
 
@@ -202,23 +220,27 @@ class Reflex(StepHook):
             step.emitted[write]
         self.known[step.rows] = pos + step.count + 1
 
-    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[B, heads]`` the token each head's lookup offers (``-1``: none)."""
-        n = self.heads
-        known = self.known[rows]
-        hist = self.history[rows]
-        last = (known - 1).clamp(min=1)[:, None]  # the root's position
-        root = hist.gather(1, last)
-        prev = hist.gather(1, last - 1)
-        pos = torch.arange(hist.shape[1], device=hist.device)[None]
-        before = torch.cat([hist.new_full((len(rows), 1), -1), hist[:, :-1]], 1)
-        one = (hist == root) & (pos < last) & (root >= 0)
-        score = torch.where(one, 1 + ((before == prev) & (prev >= 0)).long(), 0) * hist.shape[1] + pos
-        best = score.max(1)
-        found = (best.values >= hist.shape[1]) & (known > 0)
+    def _lookup(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, heads]`` the token each head's lookup offers (``-1``: none) and ``[B]`` the match length
+        (0-based index into the per-length rates)."""
+        n, hist, known = self.heads, self.history[rows], self.known[rows]
+        width = hist.shape[1]
+        last = (known - 1).clamp(min=0)[:, None]  # the root's position
+        pos = torch.arange(width, device=hist.device)[None]
+        run = (pos < last) & (known[:, None] > 0)  # candidate positions j strictly before the root
+        length = torch.zeros_like(hist)
+        for i in range(self.config.lookup_ngram):  # match length of hist[.. j] against hist[.. last]
+            key = hist.gather(1, (last - i).clamp(min=0))
+            shifted = torch.cat([hist.new_full((len(rows), i), -1), hist[:, : width - i]], 1) if i else hist
+            run = run & (shifted == key) & (key >= 0) & (last >= i)
+            length = length + run.long()
+        best = (length * width + pos).max(1)
+        found = best.values >= width
         at = best.indices[:, None] + torch.arange(1, n + 1, device=hist.device)[None]  # [B, n]
         ok = found[:, None] & (at <= last)
-        return torch.where(ok, hist.gather(1, at.clamp(max=hist.shape[1] - 1)), -1)
+        offer = torch.where(ok, hist.gather(1, at.clamp(max=width - 1)), -1)
+        match = (best.values // width - 1).clamp(min=0)
+        return offer, match if self.config.lookup_per_length else torch.zeros_like(match)
 
     def gate(self, rows: torch.Tensor) -> torch.Tensor:
         """``[len(rows), heads]`` gate of each (row, corrected head)."""
@@ -277,12 +299,14 @@ class Reflex(StepHook):
             head_logp = torch.log_softmax(head_logp + (c.bias * g[..., None]) * self._state(self.vocab_memory, rows),
                                           dim=-1)
         if c.lookup and self.history is not None:
-            offer = self._lookup(rows)  # [B, n]
-            self._last_lookup = offer
-            w = self.lookup_rate[rows] * (offer >= 0)
-            mixed = head_logp.exp() * (1 - w[..., None])
-            mixed.scatter_add_(-1, offer.clamp(min=0)[..., None], w[..., None])
-            head_logp = mixed.clamp(min=1e-30).log()
+            offer, match = self._lookup(rows)  # [B, n], [B]
+            self._last_lookup = offer, match
+            rate = self.lookup_rate[rows].gather(2, match[:, None, None].expand(-1, self.heads, 1)).squeeze(2)
+            w = (rate * (offer >= 0))[..., None]  # [B, n, 1]
+            idx = offer.clamp(min=0)[..., None]
+            # log((1 - w) q + w onehot), touching only the looked-up token besides the uniform log(1 - w) shift
+            at = (head_logp.gather(-1, idx).exp() * (1 - w) + w).clamp(min=1e-30).log()
+            head_logp = (head_logp + torch.log1p(-w.clamp(max=1 - 1e-6))).scatter(-1, idx, at)
             self._lookup_offered += int((offer >= 0).sum())
         self._last_logp = head_logp  # scores before calibration: what the head claims
         if c.calibrate != "none" and self.calib is not None:
@@ -323,21 +347,35 @@ class Reflex(StepHook):
             r_idx = rows[:, None].expand(-1, heads)
             h_idx = torch.arange(heads, device=rows.device).expand(len(rows), -1)
             self.pending_index[r_idx, h_idx, free] = target
-            self.pending_z[r_idx, h_idx, free] = step.z[:, :heads].float()
+            if self._uses_memory:
+                self.pending_z[r_idx, h_idx, free] = step.z[:, :heads].float()
             cand = step.candidates[:, :heads]
             self.pending_cand[r_idx, h_idx, free] = cand
             if self.calib is not None and self._last_logp is not None:
                 self.pending_score[r_idx, h_idx, free] = self._last_logp.gather(-1, cand).exp()
             if self._last_lookup is not None:
-                self.pending_lookup[r_idx, h_idx, free] = self._last_lookup
-        # 2. resolve every pending proposal whose index was committed this step, oldest first
-        end = (step.root_index + step.count)[:, None, None]
+                self.pending_lookup[r_idx, h_idx, free] = self._last_lookup[0]
+                self.pending_lookup_len[r_idx, h_idx, free] = self._last_lookup[1][:, None]
+        # 2. resolve every pending proposal whose index was committed this step
+        root = step.root_index[:, None, None]
         pending = self.pending_index[rows]  # [B, H, S]
+        due = (pending > root) & (pending <= root + step.count[:, None, None])
+        if self.config.lookup:
+            self._resolve_lookup(step, rows, pending, due)
+        if self._uses_memory or self.calib is not None:
+            self._resolve(step, rows, pending)
+        else:
+            self._feedback_n += int(due.sum())
+        self.pending_index[rows] = torch.where(due | step.finished[:, None, None], -1, pending)
+
+    def _resolve(self, step: StepFeedback, rows, pending):
+        """Memory and calibration feedback, oldest proposal first per (row, head) (the EMAs are sequential)."""
+        end = step.root_index + step.count
         order = torch.where(pending >= 0, pending, torch.iinfo(torch.long).max).argsort(-1)
         for s in range(pending.shape[-1]):
             slot = order[..., s]  # [B, H]
             index = pending.gather(-1, slot[..., None]).squeeze(-1)
-            due = (index > step.root_index[:, None]) & (index <= end[..., 0])
+            due = (index > step.root_index[:, None]) & (index <= end[:, None])
             if not due.any():
                 continue
             b, d = due.nonzero(as_tuple=True)
@@ -345,20 +383,25 @@ class Reflex(StepHook):
             node = step.accepted[b, j]
             p = step.probs[b, node].float()
             orig, sl = rows[b], slot[b, d]
-            self._update(orig, d, self.pending_z[orig, d, sl], self.pending_cand[orig, d, sl], p, step.emitted[b, j],
-                         self.pending_score[orig, d, sl])
-            self.pending_index[orig, d, sl] = -1
-            if self.config.lookup:
-                offered = self.pending_lookup[orig, d, sl]
-                has = offered >= 0
-                hit = (offered == step.emitted[b, j]).float()
-                rate = self.lookup_rate[orig, d]
-                decay = self.config.lookup_decay
-                self.lookup_rate[orig, d] = torch.where(has, decay * rate + (1 - decay) * hit, rate)
-                self._lookup_hits += int(hit[has].sum())
-                self._lookup_n += int(has.sum())
-                self.pending_lookup[orig, d, sl] = -1
-        self.pending_index[rows[step.finished]] = -1
+            self._feedback_n += len(b)
+            self._update(orig, d, self.pending_z[orig, d, sl], self.pending_cand[orig, d, sl], p,
+                         step.emitted[b, j], self.pending_score[orig, d, sl])
+
+    def _resolve_lookup(self, step: StepFeedback, rows, pending, due):
+        """Hit-rate feedback of the lookup: was the token it offered the one the target sampled there."""
+        b, d, sl = due.nonzero(as_tuple=True)
+        orig = rows[b]
+        offered = self.pending_lookup[orig, d, sl]
+        has = offered >= 0
+        b, d, sl, orig, offered = b[has], d[has], sl[has], orig[has], offered[has]
+        if not len(b):
+            return
+        hit = (offered == step.emitted[b, pending[b, d, sl] - step.root_index[b] - 1]).float()
+        lengths = self.lookup_rate.shape[2]
+        rate = self.lookup_rate.view(self.lookup_rate.shape[0], -1)  # [B, heads * lengths]
+        self._ema(rate, orig, d * lengths + self.pending_lookup_len[orig, d, sl], hit, self.config.lookup_decay)
+        self._lookup_hits += float(hit.sum())
+        self._lookup_n += len(hit)
 
     def _ema(self, tensor, keys_row, keys_state, values, decay):
         """``tensor[row, state] <- decay * tensor + (1 - decay) * mean(values of that key)`` (keys may repeat)."""
@@ -376,6 +419,11 @@ class Reflex(StepHook):
         """Feedback for ``N`` resolved proposals (row, head, stored ``z [N, D]``, candidates, target ``p``,
         realised token, the candidates' scores when proposed)."""
         c = self.config
+        if self.calib is not None:
+            target = p.gather(-1, candidates.clamp(min=0)) * (candidates >= 0)
+            self._ema(self.calib, rows, heads, torch.stack([target, score], dim=-1), c.calib_decay)
+        if not self._uses_memory:
+            return
         weight = self.weight.float()
         q = torch.softmax(F.linear(z, weight), dim=-1)
         offered = torch.zeros_like(p, dtype=torch.bool).scatter_(1, candidates.clamp(min=0), candidates >= 0)
@@ -401,10 +449,6 @@ class Reflex(StepHook):
         self._ema(self.memory, rows, state, f, c.lam)
         if self._uses_vocab_memory:
             self._ema(self.vocab_memory, rows, state, u, c.lam)
-        if self.calib is not None:
-            target = p.gather(-1, candidates.clamp(min=0)) * (candidates >= 0)
-            self._ema(self.calib, rows, heads, torch.stack([target, score], dim=-1), c.calib_decay)
-        self._feedback_n += len(rows)
 
     def metrics(self):
         return {

@@ -196,7 +196,7 @@ class Reflex(StepHook):
         self.pending_lookup = torch.full_like(self.pending_index, -1)
         self.pending_lookup_len = torch.zeros_like(self.pending_index)
         self._last_lookup = None
-        self._lookup_hits = self._lookup_n = self._lookup_offered = 0
+        self._lookup_hits = self._lookup_n = 0
 
     def observe_prompts(self, input_ids, attention_mask):
         if not self.config.lookup:
@@ -227,20 +227,20 @@ class Reflex(StepHook):
         width = hist.shape[1]
         last = (known - 1).clamp(min=0)[:, None]  # the root's position
         pos = torch.arange(width, device=hist.device)[None]
-        run = (pos < last) & (known[:, None] > 0)  # candidate positions j strictly before the root
-        length = torch.zeros_like(hist)
-        for i in range(self.config.lookup_ngram):  # match length of hist[.. j] against hist[.. last]
-            key = hist.gather(1, (last - i).clamp(min=0))
-            shifted = torch.cat([hist.new_full((len(rows), i), -1), hist[:, : width - i]], 1) if i else hist
-            run = run & (shifted == key) & (key >= 0) & (last >= i)
-            length = length + run.long()
+        # candidate positions j strictly before the root holding the root token (known > 0: root recorded)
+        run = (hist == hist.gather(1, last)) & (pos < last) & (known[:, None] > 0)
+        length = run.long()
+        for i in range(1, self.config.lookup_ngram):  # extend the match backwards: hist[j - i] == hist[last - i]
+            key = torch.where(last >= i, hist.gather(1, (last - i).clamp(min=0)), -2)
+            run = torch.cat([run[:, :i] & False, run[:, i:] & (hist[:, :-i] == key)], 1)
+            length += run
         best = (length * width + pos).max(1)
-        found = best.values >= width
         at = best.indices[:, None] + torch.arange(1, n + 1, device=hist.device)[None]  # [B, n]
-        ok = found[:, None] & (at <= last)
+        ok = (best.values >= width)[:, None] & (at <= last)
         offer = torch.where(ok, hist.gather(1, at.clamp(max=width - 1)), -1)
-        match = (best.values // width - 1).clamp(min=0)
-        return offer, match if self.config.lookup_per_length else torch.zeros_like(match)
+        if not self.config.lookup_per_length:
+            return offer, None
+        return offer, (best.values // width - 1).clamp(min=0)
 
     def gate(self, rows: torch.Tensor) -> torch.Tensor:
         """``[len(rows), heads]`` gate of each (row, corrected head)."""
@@ -299,15 +299,15 @@ class Reflex(StepHook):
             head_logp = torch.log_softmax(head_logp + (c.bias * g[..., None]) * self._state(self.vocab_memory, rows),
                                           dim=-1)
         if c.lookup and self.history is not None:
-            offer, match = self._lookup(rows)  # [B, n], [B]
+            offer, match = self._lookup(rows)  # [B, n], [B] or None (one rate for all lengths)
             self._last_lookup = offer, match
-            rate = self.lookup_rate[rows].gather(2, match[:, None, None].expand(-1, self.heads, 1)).squeeze(2)
+            rate = self.lookup_rate[rows]
+            rate = rate[..., 0] if match is None else rate.gather(2, match[:, None, None].expand(-1, n, 1))[..., 0]
             w = (rate * (offer >= 0))[..., None]  # [B, n, 1]
             idx = offer.clamp(min=0)[..., None]
             # log((1 - w) q + w onehot), touching only the looked-up token besides the uniform log(1 - w) shift
             at = (head_logp.gather(-1, idx).exp() * (1 - w) + w).clamp(min=1e-30).log()
             head_logp = (head_logp + torch.log1p(-w.clamp(max=1 - 1e-6))).scatter(-1, idx, at)
-            self._lookup_offered += int((offer >= 0).sum())
         self._last_logp = head_logp  # scores before calibration: what the head claims
         if c.calibrate != "none" and self.calib is not None:
             stats = self.calib[rows]  # [B, n, K, 2]
@@ -317,8 +317,9 @@ class Reflex(StepHook):
             k = self.calib.shape[2]
             top_logp, top_ids = head_logp.topk(k, dim=-1)
             head_logp = head_logp.scatter(-1, top_ids, (top_logp + shift).clamp(max=0.0))
-        out = logp.clone()
-        out[:, :n] = head_logp
+        out = head_logp
+        if n < logp.shape[1]:
+            out = torch.cat([head_logp, logp[:, n:]], dim=1)
         self._seconds += time.perf_counter() - start
         return out
 
@@ -349,13 +350,15 @@ class Reflex(StepHook):
             self.pending_index[r_idx, h_idx, free] = target
             if self._uses_memory:
                 self.pending_z[r_idx, h_idx, free] = step.z[:, :heads].float()
-            cand = step.candidates[:, :heads]
-            self.pending_cand[r_idx, h_idx, free] = cand
-            if self.calib is not None and self._last_logp is not None:
-                self.pending_score[r_idx, h_idx, free] = self._last_logp.gather(-1, cand).exp()
+            if self._uses_memory or self.calib is not None:
+                cand = step.candidates[:, :heads]
+                self.pending_cand[r_idx, h_idx, free] = cand
+                if self.calib is not None and self._last_logp is not None:
+                    self.pending_score[r_idx, h_idx, free] = self._last_logp.gather(-1, cand).exp()
             if self._last_lookup is not None:
                 self.pending_lookup[r_idx, h_idx, free] = self._last_lookup[0]
-                self.pending_lookup_len[r_idx, h_idx, free] = self._last_lookup[1][:, None]
+                if self._last_lookup[1] is not None:
+                    self.pending_lookup_len[r_idx, h_idx, free] = self._last_lookup[1][:, None]
         # 2. resolve every pending proposal whose index was committed this step
         root = step.root_index[:, None, None]
         pending = self.pending_index[rows]  # [B, H, S]
@@ -389,19 +392,22 @@ class Reflex(StepHook):
 
     def _resolve_lookup(self, step: StepFeedback, rows, pending, due):
         """Hit-rate feedback of the lookup: was the token it offered the one the target sampled there."""
-        b, d, sl = due.nonzero(as_tuple=True)
-        orig = rows[b]
-        offered = self.pending_lookup[orig, d, sl]
-        has = offered >= 0
-        b, d, sl, orig, offered = b[has], d[has], sl[has], orig[has], offered[has]
-        if not len(b):
-            return
-        hit = (offered == step.emitted[b, pending[b, d, sl] - step.root_index[b] - 1]).float()
+        offered = self.pending_lookup[rows]  # [B, H, S]
+        has = due & (offered >= 0)
+        width = step.emitted.shape[1]
+        j = (pending - step.root_index[:, None, None] - 1).clamp(0, width - 1)
+        token = step.emitted.gather(1, j.flatten(1)).view_as(j)
+        hit = has & (offered == token)
         lengths = self.lookup_rate.shape[2]
-        rate = self.lookup_rate.view(self.lookup_rate.shape[0], -1)  # [B, heads * lengths]
-        self._ema(rate, orig, d * lengths + self.pending_lookup_len[orig, d, sl], hit, self.config.lookup_decay)
-        self._lookup_hits += float(hit.sum())
-        self._lookup_n += len(hit)
+        if lengths == 1:
+            count, hits = has.sum(-1, keepdim=True), hit.sum(-1, keepdim=True)
+        else:
+            which = F.one_hot(self.pending_lookup_len[rows], lengths).bool()  # [B, H, S, L]
+            count, hits = (has[..., None] & which).sum(2), (hit[..., None] & which).sum(2)
+        rate, decay = self.lookup_rate[rows], self.config.lookup_decay
+        self.lookup_rate[rows] = torch.where(count > 0, decay * rate + (1 - decay) * hits / count.clamp(min=1), rate)
+        self._lookup_hits = self._lookup_hits + hits.sum()
+        self._lookup_n = self._lookup_n + count.sum()
 
     def _ema(self, tensor, keys_row, keys_state, values, decay):
         """``tensor[row, state] <- decay * tensor + (1 - decay) * mean(values of that key)`` (keys may repeat)."""
@@ -457,5 +463,5 @@ class Reflex(StepHook):
             "reflex_agreement": self._agree_sum / max(1, self._agree_n),
             "reflex_feedback": float(self._feedback_n),
             "reflex_seconds": self._seconds,
-            "reflex_lookup_hit": self._lookup_hits / max(1, self._lookup_n),
+            "reflex_lookup_hit": float(self._lookup_hits) / max(1, int(self._lookup_n)),
         }

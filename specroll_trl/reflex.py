@@ -77,6 +77,11 @@ class ReflexConfig:
         lookup_ngram: longest key (tokens ending at the root) the lookup matches; the longest match wins, the
             latest among equals.
         lookup_per_length: keep one hit rate per match length (a longer match is usually more reliable).
+        lookup_cyclic: when the match is too recent for a continuation ``d`` places on, assume the span from the
+            match to the root repeats (period ``root - match``) instead of offering nothing.
+        lookup_chain: weight head ``d``'s lookup token by ``min(1, w_d / w_{d-1})`` (its hit rate given the
+            previous head's lookup hit, when hits nest as along a copied span), so the lookup path's tree score is
+            ``w_d``, not ``w_1 ... w_d``.
     """
 
     eta: float = 1.0
@@ -100,6 +105,8 @@ class ReflexConfig:
     lookup_decay: float = 0.8
     lookup_ngram: int = 2
     lookup_per_length: bool = False
+    lookup_cyclic: bool = False
+    lookup_chain: bool = False
 
     def __post_init__(self):
         if not 0 <= self.lam < 1:
@@ -151,6 +158,9 @@ PRESETS: dict[str, ReflexConfig] = {
     "lookup3": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=3),
     "lookup3-len": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=3, lookup_per_length=True),
     "lookup4-len": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=4, lookup_per_length=True),
+    "lookup-cyclic": ReflexConfig(eta=0.0, lookup=True, lookup_cyclic=True),
+    "lookup-chain": ReflexConfig(eta=0.0, lookup=True, lookup_cyclic=True, lookup_chain=True),
+    "lookup1-chain": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=1, lookup_cyclic=True, lookup_chain=True),
 }
 
 
@@ -235,7 +245,10 @@ class Reflex(StepHook):
             run = torch.cat([run[:, :i] & False, run[:, i:] & (hist[:, :-i] == key)], 1)
             length += run
         best = (length * width + pos).max(1)
-        at = best.indices[:, None] + torch.arange(1, n + 1, device=hist.device)[None]  # [B, n]
+        ahead = torch.arange(n, device=hist.device)[None]  # head d looks d places past the match
+        if self.config.lookup_cyclic:
+            ahead = ahead % (last - best.indices[:, None]).clamp(min=1)
+        at = best.indices[:, None] + 1 + ahead  # [B, n]
         ok = (best.values >= width)[:, None] & (at <= last)
         offer = torch.where(ok, hist.gather(1, at.clamp(max=width - 1)), -1)
         if not self.config.lookup_per_length:
@@ -303,6 +316,8 @@ class Reflex(StepHook):
             self._last_lookup = offer, match
             rate = self.lookup_rate[rows]
             rate = rate[..., 0] if match is None else rate.gather(2, match[:, None, None].expand(-1, n, 1))[..., 0]
+            if c.lookup_chain and n > 1:
+                rate = torch.cat([rate[:, :1], (rate[:, 1:] / rate[:, :-1].clamp(min=1e-6)).clamp(max=1.0)], 1)
             w = (rate * (offer >= 0))[..., None]  # [B, n, 1]
             idx = offer.clamp(min=0)[..., None]
             # log((1 - w) q + w onehot), touching only the looked-up token besides the uniform log(1 - w) shift

@@ -82,6 +82,9 @@ class ReflexConfig:
         lookup_chain: weight head ``d``'s lookup token by ``min(1, w_d / w_{d-1})`` (its hit rate given the
             previous head's lookup hit, when hits nest as along a copied span), so the lookup path's tree score is
             ``w_d``, not ``w_1 ... w_d``.
+        lookup_group: also look up in the other rows of the call that share the row's prompt (GRPO's group of
+            ``num_generations`` completions), finished ones included. Reads other rows' committed tokens, so the
+            state is per group rather than strictly per trajectory.
     """
 
     eta: float = 1.0
@@ -107,6 +110,7 @@ class ReflexConfig:
     lookup_per_length: bool = False
     lookup_cyclic: bool = False
     lookup_chain: bool = False
+    lookup_group: bool = False
 
     def __post_init__(self):
         if not 0 <= self.lam < 1:
@@ -161,6 +165,7 @@ PRESETS: dict[str, ReflexConfig] = {
     "lookup-cyclic": ReflexConfig(eta=0.0, lookup=True, lookup_cyclic=True),
     "lookup-chain": ReflexConfig(eta=0.0, lookup=True, lookup_cyclic=True, lookup_chain=True),
     "lookup1-chain": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=1, lookup_cyclic=True, lookup_chain=True),
+    "lookup-group": ReflexConfig(eta=0.0, lookup=True, lookup_cyclic=True, lookup_group=True),
 }
 
 
@@ -214,6 +219,7 @@ class Reflex(StepHook):
         prompt = torch.where(attention_mask.bool(), input_ids, -1)
         self.offset = prompt.shape[1]  # completion index i lives at history position offset + i
         self.history = torch.cat([prompt, torch.full_like(prompt[:, :1], -1).expand(-1, 256)], dim=1).clone()
+        self.group = torch.unique(prompt, dim=0, return_inverse=True)[1]  # rows sharing a prompt
 
     def _record(self, step: StepFeedback):
         """Write this step's root and committed tokens into the rows' histories."""
@@ -232,28 +238,50 @@ class Reflex(StepHook):
 
     def _lookup(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, heads]`` the token each head's lookup offers (``-1``: none) and ``[B]`` the match length
-        (0-based index into the per-length rates)."""
-        n, hist, known = self.heads, self.history[rows], self.known[rows]
-        width = hist.shape[1]
-        last = (known - 1).clamp(min=0)[:, None]  # the root's position
-        pos = torch.arange(width, device=hist.device)[None]
-        # candidate positions j strictly before the root holding the root token (known > 0: root recorded)
-        run = (hist == hist.gather(1, last)) & (pos < last) & (known[:, None] > 0)
+        (0-based index into the per-length rates), or ``None`` with one rate for all lengths.
+
+        Sources: the row's own history, and with ``lookup_group`` also every row of the call with the same prompt
+        (finished ones included). Longest match wins, then the row's own history, then the latest position."""
+        c, n = self.config, self.heads
+        known = self.known[rows]
+        last = (known - 1).clamp(min=0)  # the root's position
+        if c.lookup_group:
+            src = torch.arange(len(self.history), device=rows.device).expand(len(rows), -1)  # [B, S]
+            usable = (self.group[rows][:, None] == self.group[None, :])
+        else:
+            src = rows[:, None]
+            usable = torch.ones_like(src, dtype=torch.bool)
+        hist = self.history[src]  # [B, S, W]
+        width = hist.shape[-1]
+        own = src == rows[:, None]
+        src_last = torch.where(own, last[:, None], self.known[src] - 1)  # last known position of each source
+        pos = torch.arange(width, device=hist.device)
+        # match positions: strictly before the root in the own row, with a known successor in the others
+        end = torch.where(own, last[:, None], src_last)
+        ok = usable & (known[:, None] > 0)
+        row_hist = self.history[rows]
+        run = (hist == row_hist.gather(1, last[:, None])[..., None]) & (pos < end[..., None]) & ok[..., None]
         length = run.long()
-        for i in range(1, self.config.lookup_ngram):  # extend the match backwards: hist[j - i] == hist[last - i]
-            key = torch.where(last >= i, hist.gather(1, (last - i).clamp(min=0)), -2)
-            run = torch.cat([run[:, :i] & False, run[:, i:] & (hist[:, :-i] == key)], 1)
+        for i in range(1, c.lookup_ngram):  # extend the match backwards: hist[j - i] == the row's [last - i]
+            key = torch.where(last >= i, row_hist.gather(1, (last - i).clamp(min=0)[:, None])[:, 0], -2)
+            run = torch.cat([run[..., :i] & False, run[..., i:] & (hist[..., :-i] == key[:, None, None])], -1)
             length += run
-        best = (length * width + pos).max(1)
+        score = (length * 2 + own[..., None]) * width + pos  # [B, S, W]
+        best = score.flatten(1).max(1)
+        s_best, j_best = best.indices // width, best.indices % width
         ahead = torch.arange(n, device=hist.device)[None]  # head d looks d places past the match
-        if self.config.lookup_cyclic:
-            ahead = ahead % (last - best.indices[:, None]).clamp(min=1)
-        at = best.indices[:, None] + 1 + ahead  # [B, n]
-        ok = (best.values >= width)[:, None] & (at <= last)
-        offer = torch.where(ok, hist.gather(1, at.clamp(max=width - 1)), -1)
-        if not self.config.lookup_per_length:
+        own_best = own.gather(1, s_best[:, None])[:, 0]
+        if c.lookup_cyclic:  # in the own row: the span from the match to the root repeats
+            cyc = ahead % (last - j_best).clamp(min=1)[:, None]
+            ahead = torch.where(own_best[:, None], cyc, ahead)
+        at = j_best[:, None] + 1 + ahead  # [B, n]
+        found = best.values >= 2 * width
+        ok = found[:, None] & (at <= src_last.gather(1, s_best[:, None]))
+        seq = hist[torch.arange(len(rows), device=rows.device), s_best]  # [B, W]
+        offer = torch.where(ok, seq.gather(1, at.clamp(max=width - 1)), -1)
+        if not c.lookup_per_length:
             return offer, None
-        return offer, (best.values // width - 1).clamp(min=0)
+        return offer, ((best.values // width) // 2 - 1).clamp(min=0)
 
     def gate(self, rows: torch.Tensor) -> torch.Tensor:
         """``[len(rows), heads]`` gate of each (row, corrected head)."""

@@ -25,7 +25,9 @@ residual ``u = a (p - q)_S + b (m - (sum m) q_S)``, which the variants reuse:
 * ``lookup``: a trajectory-local token memory (the row's prompt and committed completion). Head ``d`` is offered
   the token that followed, ``d`` places on, the latest earlier occurrence of the current root (bigram match
   preferred): ``q' = (1 - w) q + w onehot(lookup)``, ``w`` = that (row, head)'s observed lookup hit rate (EMA of
-  the feedback: was the looked-up token the realised one). A number being copied comes back as a candidate;
+  the feedback: was the looked-up token the realised one). A number being copied comes back as a candidate.
+  ``lookup_cyclic`` continues a too-recent match periodically; ``lookup_group`` also searches the rows that share
+  the prompt (a GRPO group); ``lookup_chain`` weights deeper heads by conditional hit rates;
 * ``calibrate="head"`` / ``"rank"``: per (row, head) [and candidate rank] the tree scores are shifted by
   ``log(EMA p(candidates) / EMA q(candidates))`` (capped at log-prob 0), so a head that is confidently wrong
   gets fewer deep nodes. Changes tree shape, not candidates.
@@ -52,10 +54,11 @@ CALIBRATIONS = ("none", "head", "rank")
 
 @dataclass
 class ReflexConfig:
-    """Reflex parameters (defaults: the SPEC 2.5 baseline).
+    """Reflex parameters. Defaults: the ``"lookup-cyclic"`` variant (it accepted the most in the ablation);
+    ``ReflexConfig.preset("baseline")`` is the SPEC 2.5 baseline (hidden-state memory, ``eta=1``, no lookup).
 
     Args:
-        eta: correction step size (hidden-state correction; 0 disables it).
+        eta: correction step size of the hidden-state memory (0 disables it; the baseline uses 1).
         lam: memory EMA factor (``M <- lam M + (1 - lam) f``).
         rho_min: the gate opens only while the reliability EMA exceeds this.
         rho_decay: EMA factor of the reliability score.
@@ -85,9 +88,10 @@ class ReflexConfig:
         lookup_group: also look up in the other rows of the call that share the row's prompt (GRPO's group of
             ``num_generations`` completions), finished ones included. Reads other rows' committed tokens, so the
             state is per group rather than strictly per trajectory.
+        lookup_group_size: sibling rows searched per row (the nearest in batch order), bounding the cost.
     """
 
-    eta: float = 1.0
+    eta: float = 0.0
     lam: float = 0.5
     rho_min: float = 0.2
     rho_decay: float = 0.8
@@ -103,14 +107,15 @@ class ReflexConfig:
     bias: float = 0.0
     calibrate: str = "none"
     calib_decay: float = 0.9
-    lookup: bool = False
+    lookup: bool = True
     lookup_prior: float = 0.3
     lookup_decay: float = 0.8
     lookup_ngram: int = 2
     lookup_per_length: bool = False
-    lookup_cyclic: bool = False
+    lookup_cyclic: bool = True
     lookup_chain: bool = False
     lookup_group: bool = False
+    lookup_group_size: int = 8
 
     def __post_init__(self):
         if not 0 <= self.lam < 1:
@@ -128,6 +133,8 @@ class ReflexConfig:
         if not 0 <= self.lookup_prior <= 1 or not 0 <= self.lookup_decay < 1:
             raise ValueError(f"reflex lookup_prior must be in [0, 1] and lookup_decay in [0, 1), got "
                              f"{self.lookup_prior}, {self.lookup_decay}")
+        if self.lookup_group_size < 1:
+            raise ValueError(f"reflex lookup_group_size must be >= 1, got {self.lookup_group_size}")
         if self.lookup_ngram < 1:
             raise ValueError(f"reflex lookup_ngram must be >= 1, got {self.lookup_ngram}")
         if not 0 <= self.calib_decay < 1:
@@ -145,27 +152,29 @@ class ReflexConfig:
 
 
 PRESETS: dict[str, ReflexConfig] = {
-    "baseline": ReflexConfig(),
-    "open": ReflexConfig(gate="open"),
-    "relative": ReflexConfig(step="relative", kappa=0.1),
-    "relative-open": ReflexConfig(step="relative", kappa=0.1, gate="open"),
-    "vocab-gate": ReflexConfig(step="relative", kappa=0.1, gate="vocab", rho_min=0.1),
-    "token": ReflexConfig(signal="token", step="relative", kappa=0.1, gate="open"),
-    "shared": ReflexConfig(share_heads=True, step="relative", kappa=0.1, gate="open"),
-    "bias": ReflexConfig(eta=0.0, bias=2.0, gate="open"),
-    "calib-head": ReflexConfig(eta=0.0, calibrate="head"),
-    "calib-rank": ReflexConfig(eta=0.0, calibrate="rank"),
-    "lookup": ReflexConfig(eta=0.0, lookup=True),
-    "lookup-calib": ReflexConfig(eta=0.0, lookup=True, calibrate="head"),
-    "lookup-bias": ReflexConfig(eta=0.0, lookup=True, bias=2.0, gate="open"),
-    "lookup1": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=1),
-    "lookup3": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=3),
-    "lookup3-len": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=3, lookup_per_length=True),
-    "lookup4-len": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=4, lookup_per_length=True),
-    "lookup-cyclic": ReflexConfig(eta=0.0, lookup=True, lookup_cyclic=True),
-    "lookup-chain": ReflexConfig(eta=0.0, lookup=True, lookup_cyclic=True, lookup_chain=True),
-    "lookup1-chain": ReflexConfig(eta=0.0, lookup=True, lookup_ngram=1, lookup_cyclic=True, lookup_chain=True),
-    "lookup-group": ReflexConfig(eta=0.0, lookup=True, lookup_cyclic=True, lookup_group=True),
+    # the SPEC 2.5 baseline and its variants (hidden-state or vocabulary memory, no lookup)
+    "baseline": ReflexConfig(eta=1.0, lookup=False, lookup_cyclic=False),
+    "open": ReflexConfig(eta=1.0, gate="open", lookup=False),
+    "relative": ReflexConfig(eta=1.0, step="relative", kappa=0.1, lookup=False),
+    "relative-open": ReflexConfig(eta=1.0, step="relative", kappa=0.1, gate="open", lookup=False),
+    "vocab-gate": ReflexConfig(eta=1.0, step="relative", kappa=0.1, gate="vocab", rho_min=0.1, lookup=False),
+    "token": ReflexConfig(eta=1.0, signal="token", step="relative", kappa=0.1, gate="open", lookup=False),
+    "shared": ReflexConfig(eta=1.0, share_heads=True, step="relative", kappa=0.1, gate="open", lookup=False),
+    "bias": ReflexConfig(bias=2.0, gate="open", lookup=False),
+    "calib-head": ReflexConfig(calibrate="head", lookup=False),
+    "calib-rank": ReflexConfig(calibrate="rank", lookup=False),
+    # the token lookup
+    "lookup": ReflexConfig(lookup_cyclic=False),
+    "lookup-calib": ReflexConfig(lookup_cyclic=False, calibrate="head"),
+    "lookup-bias": ReflexConfig(lookup_cyclic=False, bias=2.0, gate="open"),
+    "lookup1": ReflexConfig(lookup_cyclic=False, lookup_ngram=1),
+    "lookup3": ReflexConfig(lookup_cyclic=False, lookup_ngram=3),
+    "lookup3-len": ReflexConfig(lookup_cyclic=False, lookup_ngram=3, lookup_per_length=True),
+    "lookup4-len": ReflexConfig(lookup_cyclic=False, lookup_ngram=4, lookup_per_length=True),
+    "lookup-cyclic": ReflexConfig(),
+    "lookup-chain": ReflexConfig(lookup_chain=True),
+    "lookup1-chain": ReflexConfig(lookup_ngram=1, lookup_chain=True),
+    "lookup-group": ReflexConfig(lookup_group=True),
 }
 
 
@@ -219,7 +228,16 @@ class Reflex(StepHook):
         prompt = torch.where(attention_mask.bool(), input_ids, -1)
         self.offset = prompt.shape[1]  # completion index i lives at history position offset + i
         self.history = torch.cat([prompt, torch.full_like(prompt[:, :1], -1).expand(-1, 256)], dim=1).clone()
-        self.group = torch.unique(prompt, dim=0, return_inverse=True)[1]  # rows sharing a prompt
+        if self.config.lookup_group:  # up to lookup_group_size rows sharing the prompt, nearest in index, self first
+            group = torch.unique(prompt, dim=0, return_inverse=True)[1]
+            order = torch.argsort(group * len(group) + torch.arange(len(group), device=group.device))
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(len(order), device=order.device)
+            start = torch.searchsorted(group[order], group, right=False)
+            stop = torch.searchsorted(group[order], group, right=True) - 1
+            k = self.config.lookup_group_size
+            offsets = torch.tensor([0] + [o for i in range(1, k + 1) for o in (-i, i)][:k], device=group.device)
+            self.siblings = order[torch.minimum(torch.maximum(rank[:, None] + offsets, start[:, None]), stop[:, None])]
 
     def _record(self, step: StepFeedback):
         """Write this step's root and committed tokens into the rows' histories."""
@@ -245,12 +263,7 @@ class Reflex(StepHook):
         c, n = self.config, self.heads
         known = self.known[rows]
         last = (known - 1).clamp(min=0)  # the root's position
-        if c.lookup_group:
-            src = torch.arange(len(self.history), device=rows.device).expand(len(rows), -1)  # [B, S]
-            usable = (self.group[rows][:, None] == self.group[None, :])
-        else:
-            src = rows[:, None]
-            usable = torch.ones_like(src, dtype=torch.bool)
+        src = self.siblings[rows] if c.lookup_group else rows[:, None]  # [B, S] source rows, own row first
         hist = self.history[src]  # [B, S, W]
         width = hist.shape[-1]
         own = src == rows[:, None]
@@ -258,7 +271,7 @@ class Reflex(StepHook):
         pos = torch.arange(width, device=hist.device)
         # match positions: strictly before the root in the own row, with a known successor in the others
         end = torch.where(own, last[:, None], src_last)
-        ok = usable & (known[:, None] > 0)
+        ok = (known > 0)[:, None].expand_as(src)
         row_hist = self.history[rows]
         run = (hist == row_hist.gather(1, last[:, None])[..., None]) & (pos < end[..., None]) & ok[..., None]
         length = run.long()

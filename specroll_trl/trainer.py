@@ -76,7 +76,8 @@ class SpecGRPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Enable Reflex, the gradient-free per-trajectory correction of the heads (SPEC 2.5)."},
     )
-    spec_reflex_eta: float = field(default=1.0, metadata={"help": "Reflex correction step size."})
+    spec_reflex_eta: float = field(
+        default=0.0, metadata={"help": "Reflex hidden-state correction step size (the SPEC baseline: 1.0)."})
     spec_reflex_lam: float = field(default=0.5, metadata={"help": "Reflex memory EMA factor."})
     spec_reflex_rho_min: float = field(default=0.2, metadata={"help": "Reflex gate threshold on reliability."})
     spec_reflex_rho_decay: float = field(default=0.8, metadata={"help": "EMA factor of Reflex's reliability."})
@@ -84,6 +85,13 @@ class SpecGRPOConfig(GRPOConfig):
     spec_reflex_dist_weight: float = field(default=1.0, metadata={"help": "Weight of Reflex's distribution error."})
     spec_reflex_cov_weight: float = field(default=1.0, metadata={"help": "Weight of Reflex's coverage error."})
     spec_reflex_support_k: int = field(default=8, metadata={"help": "Top-K support of Reflex's error terms."})
+    spec_reflex_lookup: bool = field(
+        default=True, metadata={"help": "Reflex token lookup: offer each head the continuation of the root's latest "
+                                        "earlier occurrence in the row's prompt and completion."})
+    spec_reflex_lookup_cyclic: bool = field(
+        default=True, metadata={"help": "Continue a too-recent lookup match periodically."})
+    spec_reflex_lookup_group: bool = field(
+        default=False, metadata={"help": "Also look up in the rows sharing the prompt (the GRPO group)."})
     spec_fallback_to_generate: bool = field(
         default=True,
         metadata={"help": "On a model the engine cannot run (e.g. FlashAttention-2 only), log and use generate."},
@@ -238,7 +246,7 @@ class SpecGRPOTrainer(GRPOTrainer):
         nodes, active = stats.get("nodes_per_row") or [0], stats.get("active_rows") or [0]
         metrics["spec/tree_nodes_per_row"].append(sum(nodes) / len(nodes))
         metrics["spec/active_rows"].append(sum(active) / len(active))
-        for key in ("reflex_gate", "reflex_norm"):
+        for key in ("reflex_gate", "reflex_norm", "reflex_lookup_hit"):
             if key in stats:
                 metrics[f"spec/{key}"].append(float(stats[key]))
         for d, rate in enumerate(stats.get("accept_per_head", [])):

@@ -60,10 +60,12 @@ def _bench(args) -> int:
 
     if args.what == "ablation":
         if args.quick:
-            records = bench_reflex(args.model, grpo_steps=4, repeats=1, max_new_tokens=128, capacity=args.capacity)
+            records = bench_reflex(args.model, grpo_steps=4, repeats=1, max_new_tokens=128, capacity=args.capacity,
+                                   group=args.group)
         else:
             records = bench_reflex(args.model, grpo_steps=args.steps, repeats=args.repeats,
-                                   max_new_tokens=args.max_new_tokens or 192, capacity=args.capacity)
+                                   max_new_tokens=args.max_new_tokens or 192, capacity=args.capacity,
+                                   group=args.group)
         if args.out:
             write_results(records, args.out, plot=False)
         return 0
@@ -132,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts-per-step", type=int, default=4,
                        help="e2e: prompts per GRPO step (x 8 completions = rows generating together)")
     bench.add_argument("--max-nodes", type=int, default=16)
+    bench.add_argument("--group", type=int, default=1,
+                       help="ablation: completions per prompt in the batch (GRPO's num_generations)")
     bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
     bench.set_defaults(func=_bench)
     return parser

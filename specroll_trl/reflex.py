@@ -247,11 +247,10 @@ class Reflex(StepHook):
             grow = max(need - self.history.shape[1], self.history.shape[1])
             self.history = torch.cat([self.history, self.history.new_full((self.history.shape[0], grow), -1)], 1)
         pos = self.offset + step.root_index
-        self.history[step.rows, pos] = step.tree.tokens[:, 0]
-        j = torch.arange(width, device=pos.device)
-        write = j[None] < step.count[:, None]
-        self.history[step.rows[:, None].expand(-1, width)[write], (pos[:, None] + 1 + j[None])[write]] = \
-            step.emitted[write]
+        tokens = torch.cat([step.tree.tokens[:, :1], step.emitted], 1)  # root, then this step's tokens
+        j = torch.arange(width + 1, device=pos.device)
+        write = j[None] <= step.count[:, None]
+        self.history[step.rows[:, None].expand(-1, width + 1)[write], (pos[:, None] + j[None])[write]] = tokens[write]
         self.known[step.rows] = pos + step.count + 1
 
     def _lookup(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,6 +260,8 @@ class Reflex(StepHook):
         Sources: the row's own history, and with ``lookup_group`` also every row of the call with the same prompt
         (finished ones included). Longest match wins, then the row's own history, then the latest position."""
         c, n = self.config, self.heads
+        if not c.lookup_group:
+            return self._lookup_own(rows)
         known = self.known[rows]
         last = (known - 1).clamp(min=0)  # the root's position
         src = self.siblings[rows] if c.lookup_group else rows[:, None]  # [B, S] source rows, own row first
@@ -295,6 +296,31 @@ class Reflex(StepHook):
         if not c.lookup_per_length:
             return offer, None
         return offer, ((best.values // width) // 2 - 1).clamp(min=0)
+
+    def _lookup_own(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_lookup`` over the row's own history only (fewer operations)."""
+        c, n = self.config, self.heads
+        hist = self.history[rows]  # [B, W]
+        width = hist.shape[1]
+        last = self.known[rows][:, None] - 1  # the root's position; -1 before the first root is recorded
+        pos = torch.arange(width, device=hist.device)[None]
+        run = (hist == hist.gather(1, last.clamp(min=0))) & (pos < last)
+        length = run.long()
+        for i in range(1, c.lookup_ngram):  # extend the match backwards: hist[j - i] == hist[last - i]
+            key = torch.where(last >= i, hist.gather(1, (last - i).clamp(min=0)), -2)
+            run = torch.cat([run[:, :i] & False, run[:, i:] & (hist[:, :-i] == key)], 1)
+            length += run
+        best = (length * width + pos).max(1)
+        j = best.indices[:, None]
+        ahead = torch.arange(n, device=hist.device)[None]  # head d looks d places past the match
+        if c.lookup_cyclic:  # the span from the match to the root repeats
+            ahead = ahead % (last - j).clamp(min=1)
+        at = j + 1 + ahead  # [B, n]
+        ok = (best.values >= width)[:, None] & (at <= last)
+        offer = torch.where(ok, hist.gather(1, at.clamp(max=width - 1)), -1)
+        if not c.lookup_per_length:
+            return offer, None
+        return offer, (best.values // width - 1).clamp(min=0)
 
     def gate(self, rows: torch.Tensor) -> torch.Tensor:
         """``[len(rows), heads]`` gate of each (row, corrected head)."""

@@ -89,6 +89,8 @@ class ReflexConfig:
             ``num_generations`` completions), finished ones included. Reads other rows' committed tokens, so the
             state is per group rather than strictly per trajectory.
         lookup_group_size: sibling rows searched per row (the nearest in batch order), bounding the cost.
+        lookup_second: also offer the continuation of the best match whose next token differs from the first's,
+            with its own learnt hit rate (own-row lookup only).
     """
 
     eta: float = 0.0
@@ -116,6 +118,7 @@ class ReflexConfig:
     lookup_chain: bool = False
     lookup_group: bool = False
     lookup_group_size: int = 8
+    lookup_second: bool = False
 
     def __post_init__(self):
         if not 0 <= self.lam < 1:
@@ -175,6 +178,7 @@ PRESETS: dict[str, ReflexConfig] = {
     "lookup-chain": ReflexConfig(lookup_chain=True),
     "lookup1-chain": ReflexConfig(lookup_ngram=1, lookup_chain=True),
     "lookup-group": ReflexConfig(lookup_group=True),
+    "lookup-second": ReflexConfig(lookup_second=True),
 }
 
 
@@ -220,6 +224,9 @@ class Reflex(StepHook):
         self.pending_lookup = torch.full_like(self.pending_index, -1)
         self.pending_lookup_len = torch.zeros_like(self.pending_index)
         self._last_lookup = None
+        self.second_rate = torch.full((batch_size, self.heads, 1), c.lookup_prior / 2, device=device, dtype=dtype)
+        self.pending_second = torch.full_like(self.pending_index, -1)
+        self._second = None
         self._lookup_hits = self._lookup_n = 0
 
     def observe_prompts(self, input_ids, attention_mask):
@@ -318,6 +325,13 @@ class Reflex(StepHook):
         at = j + 1 + ahead  # [B, n]
         ok = (best.values >= width)[:, None] & (at <= last)
         offer = torch.where(ok, hist.gather(1, at.clamp(max=width - 1)), -1)
+        if c.lookup_second:  # the best match continuing differently from the first
+            nxt = torch.cat([hist[:, 1:], hist[:, -1:]], 1)
+            other = (nxt != nxt.gather(1, j)) & (length > 0)
+            best2 = torch.where(other, length * width + pos, -1).max(1)
+            at2 = best2.indices[:, None] + 1 + torch.arange(n, device=hist.device)[None]
+            ok2 = (best2.values >= width)[:, None] & (at2 <= last)
+            self._second = torch.where(ok2, hist.gather(1, at2.clamp(max=width - 1)), -1)
         if not c.lookup_per_length:
             return offer, None
         return offer, (best.values // width - 1).clamp(min=0)
@@ -387,9 +401,17 @@ class Reflex(StepHook):
                 rate = torch.cat([rate[:, :1], (rate[:, 1:] / rate[:, :-1].clamp(min=1e-6)).clamp(max=1.0)], 1)
             w = (rate * (offer >= 0))[..., None]  # [B, n, 1]
             idx = offer.clamp(min=0)[..., None]
-            # log((1 - w) q + w onehot), touching only the looked-up token besides the uniform log(1 - w) shift
-            at = (head_logp.gather(-1, idx).exp() * (1 - w) + w).clamp(min=1e-30).log()
-            head_logp = (head_logp + torch.log1p(-w.clamp(max=1 - 1e-6))).scatter(-1, idx, at)
+            if self._second is not None:  # mix both offers: (1 - w - w2) q + w e1 + w2 e2
+                second = self._second
+                w2 = (self.second_rate[rows][..., 0] * (second >= 0))[..., None].clamp(max=(1 - w) / 2)
+                idx = torch.cat([idx, second.clamp(min=0)[..., None]], -1)
+                w = torch.cat([w, w2], -1)
+            keep = 1 - w.sum(-1, keepdim=True)
+            # log(keep q + sum_i w_i onehot_i), touching only the looked-up tokens besides the uniform log(keep)
+            first = (idx[..., None] == idx[..., None, :]).int().argmax(-1)  # offers naming the same token add up
+            boost = torch.zeros_like(w).scatter_add_(-1, first, w).gather(-1, first)
+            at = (head_logp.gather(-1, idx).exp() * keep + boost).clamp(min=1e-30).log()
+            head_logp = (head_logp + keep.clamp(min=1e-6).log()).scatter(-1, idx, at)
         self._last_logp = head_logp  # scores before calibration: what the head claims
         if c.calibrate != "none" and self.calib is not None:
             stats = self.calib[rows]  # [B, n, K, 2]
@@ -439,6 +461,8 @@ class Reflex(StepHook):
                     self.pending_score[r_idx, h_idx, free] = self._last_logp.gather(-1, cand).exp()
             if self._last_lookup is not None:
                 self.pending_lookup[r_idx, h_idx, free] = self._last_lookup[0]
+                if self._second is not None:
+                    self.pending_second[r_idx, h_idx, free] = self._second
                 if self._last_lookup[1] is not None:
                     self.pending_lookup_len[r_idx, h_idx, free] = self._last_lookup[1][:, None]
         # 2. resolve every pending proposal whose index was committed this step
@@ -472,15 +496,23 @@ class Reflex(StepHook):
             self._update(orig, d, self.pending_z[orig, d, sl], self.pending_cand[orig, d, sl], p,
                          step.emitted[b, j], self.pending_score[orig, d, sl])
 
-    def _resolve_lookup(self, step: StepFeedback, rows, pending, due):
+    def _resolve_lookup(self, step: StepFeedback, rows, pending, due, second=False):
         """Hit-rate feedback of the lookup: was the token it offered the one the target sampled there."""
-        offered = self.pending_lookup[rows]  # [B, H, S]
+        if not second and self._second is not None:
+            self._resolve_lookup(step, rows, pending, due, second=True)
+        offered = (self.pending_second if second else self.pending_lookup)[rows]  # [B, H, S]
         has = due & (offered >= 0)
         width = step.emitted.shape[1]
         j = (pending - step.root_index[:, None, None] - 1).clamp(0, width - 1)
         token = step.emitted.gather(1, j.flatten(1)).view_as(j)
         hit = has & (offered == token)
         lengths = self.lookup_rate.shape[2]
+        if second:
+            count, hits = has.sum(-1, keepdim=True), hit.sum(-1, keepdim=True)
+            rate, decay = self.second_rate[rows], self.config.lookup_decay
+            self.second_rate[rows] = torch.where(count > 0, decay * rate + (1 - decay) * hits / count.clamp(min=1),
+                                                 rate)
+            return
         if lengths == 1:
             count, hits = has.sum(-1, keepdim=True), hit.sum(-1, keepdim=True)
         else:

@@ -106,10 +106,11 @@ def test_invalid_reflex_config():
 
 HARD = dict(temperature=0.7, top_k=0, min_p=0.15, repetition_penalty=1.5)
 FORCED = ReflexConfig.preset("baseline", eta=5.0, rho_min=-1.0 + 1e-3)
+GROUP_LOOKUP = ReflexConfig.preset("lookup-group", lookup_prior=0.6, lookup_group_size=2)  # prompts repeat 12000x
 
 
 @pytest.mark.parametrize("settings,config", [(dict(temperature=1.0, top_k=0), FORCED), (HARD, FORCED),
-                                             (HARD, ReflexConfig.preset("lookup-group", lookup_prior=0.6))])
+                                             (HARD, GROUP_LOOKUP)])
 def test_engine_stays_exact_with_reflex_on(settings, config, monkeypatch):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
     heads = noisy_heads(model, std=0.4, seed=1)

@@ -256,19 +256,24 @@ def perturbed_policy(model, scale: float = 0.05, seed: int = 0):
 
 def bench_reflex(model_name: str = DEFAULT_PRESET, grpo_steps: int = 8, batch_size: int = 8, repeats: int = 3,
                  max_new_tokens: int = 192, max_nodes: int = 16, capacity: int | None = None,
-                 progress: bool = True) -> list[dict]:
-    """Reflex off vs on with stale heads: on a GRPO-drifted policy and on a perturbed target (alternating)."""
+                 progress: bool = True, variants: dict | None = None, group: int = 1) -> list[dict]:
+    """Reflex off vs on with stale heads: on a GRPO-drifted policy and on a perturbed target (alternating).
+
+    ``variants``: name -> ``ReflexConfig`` compared with static heads (default: the SPEC baseline and the default
+    Reflex); ``group``: generations per prompt in the batch (GRPO's ``num_generations``)."""
     drifted = drifted_policy(model_name, grpo_steps)  # trains (needs gradients); the rest only generates
     with torch.no_grad():
         return _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes,
-                                  capacity, progress)
+                                  capacity, progress, variants, group)
 
 
 def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes, capacity,
-                       progress):
+                       progress, variants=None, group=1):
     from transformers import AutoModelForCausalLM
 
-    from .reflex import Reflex
+    from .reflex import Reflex, ReflexConfig
+
+    variants = variants or {"reflex-baseline": ReflexConfig.preset("baseline"), "reflex": ReflexConfig()}
 
     base, tokenizer = load_policy(model_name, progress=progress)
     heads = load_heads(model_name, progress=progress)
@@ -278,23 +283,24 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
         "fresh": base,
     }
     prompts = task_prompt_ids(tokenizer, PRESETS[model_name].task if model_name in PRESETS else "arithmetic",
-                              batch_size, seed=777)
+                              max(1, batch_size // group), seed=777)
+    prompts = [p for p in prompts for _ in range(group)][:batch_size]
     ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
     records = []
     for target_name, model in targets.items():
         gc = trl_generation_config(model, tokenizer, max_new_tokens)
-        runs = {"vanilla": [], "static": [], "reflex": []}
+        runs = {"vanilla": [], "static": [], **{name: [] for name in variants}}
         for r in range(repeats):
             torch.manual_seed(r)
             runs["vanilla"].append({"seconds": _vanilla(model, ids, mask, gc)[0]})
-            for variant in ("static", "reflex"):
-                hooks = [Reflex()] if variant == "reflex" else None
+            for variant in ("static", *variants):
+                hooks = [Reflex(variants[variant])] if variant in variants else None
                 engine = SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity, hooks=hooks)
                 torch.manual_seed(r)
                 runs[variant].append(engine.generate(ids, mask).stats)
         vanilla_s = statistics.median(s["seconds"] for s in runs["vanilla"])
         static_s = statistics.median(s["seconds"] for s in runs["static"])
-        for variant in ("static", "reflex"):
+        for variant in ("static", *variants):
             stats = runs[variant]
             gen_s = statistics.median(s["seconds"] for s in stats)
             record = {
@@ -306,10 +312,13 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
                 "speedup_vs_vanilla": vanilla_s / gen_s, "speedup_vs_static": static_s / gen_s,
                 "reflex_overhead_share": statistics.median(s.get("reflex_seconds", 0.0) / s["seconds"] for s in stats),
                 "reflex_gate": statistics.mean(s.get("reflex_gate", 0.0) for s in stats),
+                "reflex_lookup_hit": statistics.mean(s.get("reflex_lookup_hit", 0.0) for s in stats),
+                "tau_vs_static": statistics.mean(s["tau"] / b["tau"] for s, b in zip(stats, runs["static"])) - 1,
             }
             records.append(record)
             if progress:
-                print(f"{target_name:<10} {variant:<7} tau {record['tau']:.3f}  gen {gen_s:.3f}s  "
+                print(f"{target_name:<10} {variant:<15} tau {record['tau']:.3f} "
+                      f"({100 * record['tau_vs_static']:+.1f}%)  gen {gen_s:.3f}s  "
                       f"vs vanilla {record['speedup_vs_vanilla']:.2f}x  gate {record['reflex_gate']:.3f}  "
                       f"overhead {100 * record['reflex_overhead_share']:.1f}%", flush=True)
     return records

@@ -59,11 +59,16 @@ def _bench(args) -> int:
     from .bench import bench_e2e, bench_generation, bench_reflex, format_table, write_results
 
     if args.what == "ablation":
+        from .reflex import ReflexConfig
+
+        variants = {name: ReflexConfig.preset(name) for name in args.variants} if args.variants else None
         if args.quick:
-            records = bench_reflex(args.model, grpo_steps=4, repeats=1, max_new_tokens=128, capacity=args.capacity)
+            records = bench_reflex(args.model, grpo_steps=4, repeats=1, max_new_tokens=128, capacity=args.capacity,
+                                   group=args.group, variants=variants)
         else:
             records = bench_reflex(args.model, grpo_steps=args.steps, repeats=args.repeats,
-                                   max_new_tokens=args.max_new_tokens or 192, capacity=args.capacity)
+                                   max_new_tokens=args.max_new_tokens or 192, capacity=args.capacity,
+                                   group=args.group, variants=variants)
         if args.out:
             write_results(records, args.out, plot=False)
         return 0
@@ -150,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts-per-step", type=int, default=4,
                        help="e2e: prompts per GRPO step (x 8 completions = rows generating together)")
     bench.add_argument("--max-nodes", type=int, default=16)
+    bench.add_argument("--group", type=int, default=1,
+                       help="ablation: completions per prompt in the batch (GRPO's num_generations)")
+    bench.add_argument("--variants", nargs="+", default=None,
+                       help="ablation: Reflex presets to compare with static heads (specroll_trl.reflex.PRESETS; "
+                            "default: baseline and the default config)")
     bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
     bench.set_defaults(func=_bench)
 

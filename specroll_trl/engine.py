@@ -286,6 +286,7 @@ class SpeculativeGenerator:
         kv.keep_rows(keep)
         for hook in self.hooks:
             hook.start(batch, self.heads.num_heads, lm_head_shape(self.lm_head)[1], self.lm_head)
+            hook.observe_prompts(input_ids, attention_mask)
         synced = should_sync(self.model, self.config.synced_gpus)
         step = 0
         while True:
@@ -311,6 +312,8 @@ class SpeculativeGenerator:
                 for hook in self.hooks:
                     z = hook.adjust(rows, z)
                 head_logp = torch.log_softmax(self.lm_head(z).float(), dim=-1)
+                for hook in self.hooks:
+                    head_logp = hook.adjust_logprobs(rows, head_logp)
                 topk_logp, topk_ids = head_logp.topk(self.config.topk_per_head, dim=-1)
             tree = select_tree(root, topk_ids, topk_logp, self.table, num_nodes)
 

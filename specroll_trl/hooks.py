@@ -1,10 +1,11 @@
 """Per-step hooks of the speculative engine: adjust proposals before drafting, receive verifier feedback after.
 
-The engine calls, once per ``generate`` call, ``start``; then every decoding step ``adjust`` (it may change
-the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``) and ``feedback`` (what the
-verifier learnt this step); and ``finish`` when the call ends. Hooks can only change *proposals*; what is
-emitted stays exactly distributed as the target samples it. Reflex (``specroll_trl.reflex``) is the first
-hook; the slow path's ``BufferCapture`` (``specroll_trl.buffer``) is the second.
+The engine calls, once per ``generate`` call, ``start`` and ``observe_prompts``; then every decoding step
+``adjust`` (it may change the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``),
+``adjust_logprobs`` (it may change the heads' log-probabilities the candidates and their tree scores are taken
+from) and ``feedback`` (what the verifier learnt this step); and ``finish`` when the call ends. Hooks can only
+change *proposals*; what is emitted stays exactly distributed as the target samples it. Reflex
+(``specroll_trl.reflex``) is the first hook; the slow path's ``BufferCapture`` (``specroll_trl.buffer``) the second.
 """
 
 from __future__ import annotations
@@ -56,9 +57,19 @@ class StepHook:
     def start(self, batch_size: int, num_heads: int, hidden_size: int, lm_head: torch.nn.Module) -> None:
         """A new ``generate`` call: reset all per-row state for ``batch_size`` fresh rows."""
 
+    def observe_prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Right after ``start``: the ``[batch_size, T]`` left-padded prompts of the call's rows."""
+
     def adjust(self, rows: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Return the hidden states (``[B, H, D]``) the heads' candidates are taken from."""
         return z
+
+    def adjust_logprobs(self, rows: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """Return the scores (``[B, H, V]``, the heads' log-probabilities from ``lm_head(z)``) whose top-k become
+        the tree's candidates; the kept values are the candidates' scores (tree selection multiplies them
+        along a path, so they must stay <= 0). A hook may add a logit bias (then renormalise) or calibrate a head's
+        confidence."""
+        return logp
 
     def feedback(self, step: StepFeedback) -> None:
         """Consume one step's verification results."""

@@ -86,7 +86,8 @@ class SpecGRPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Enable Reflex, the gradient-free per-trajectory correction of the heads (SPEC 2.5)."},
     )
-    spec_reflex_eta: float = field(default=1.0, metadata={"help": "Reflex correction step size."})
+    spec_reflex_eta: float = field(
+        default=0.0, metadata={"help": "Reflex hidden-state correction step size (the SPEC baseline: 1.0)."})
     spec_reflex_lam: float = field(default=0.5, metadata={"help": "Reflex memory EMA factor."})
     spec_reflex_rho_min: float = field(default=0.2, metadata={"help": "Reflex gate threshold on reliability."})
     spec_reflex_rho_decay: float = field(default=0.8, metadata={"help": "EMA factor of Reflex's reliability."})
@@ -94,6 +95,13 @@ class SpecGRPOConfig(GRPOConfig):
     spec_reflex_dist_weight: float = field(default=1.0, metadata={"help": "Weight of Reflex's distribution error."})
     spec_reflex_cov_weight: float = field(default=1.0, metadata={"help": "Weight of Reflex's coverage error."})
     spec_reflex_support_k: int = field(default=8, metadata={"help": "Top-K support of Reflex's error terms."})
+    spec_reflex_lookup: bool = field(
+        default=True, metadata={"help": "Reflex token lookup: offer each head the continuation of the root's latest "
+                                        "earlier occurrence in the row's prompt and completion."})
+    spec_reflex_lookup_cyclic: bool = field(
+        default=True, metadata={"help": "Continue a too-recent lookup match periodically."})
+    spec_reflex_lookup_group: bool = field(
+        default=False, metadata={"help": "Also look up in the rows sharing the prompt (the GRPO group)."})
     spec_consolidation: bool = field(
         default=False,
         metadata={"help": "Enable the slow path (SPEC 2.6): a drift monitor and head-only re-fits on tuples captured "
@@ -152,7 +160,7 @@ SPEC_DEFAULTS = {f.name: f.default for f in fields(SpecGRPOConfig) if f.name.sta
 def reflex_config_from(spec_args: dict) -> ReflexConfig:
     """The ``ReflexConfig`` described by ``spec_reflex_*`` fields."""
     names = [f.name for f in fields(ReflexConfig)]
-    return ReflexConfig(**{n: spec_args[f"spec_reflex_{n}"] for n in names})
+    return ReflexConfig(**{n: spec_args[f"spec_reflex_{n}"] for n in names if f"spec_reflex_{n}" in spec_args})
 
 
 def consolidation_config_from(spec_args: dict, seed: int = 0) -> ConsolidationConfig:
@@ -301,7 +309,7 @@ class SpecGRPOTrainer(GRPOTrainer):
         nodes, active = stats.get("nodes_per_row") or [0], stats.get("active_rows") or [0]
         metrics["spec/tree_nodes_per_row"].append(sum(nodes) / len(nodes))
         metrics["spec/active_rows"].append(sum(active) / len(active))
-        for key in ("reflex_gate", "reflex_norm"):
+        for key in ("reflex_gate", "reflex_norm", "reflex_lookup_hit"):
             if key in stats:
                 metrics[f"spec/{key}"].append(float(stats[key]))
         for d, rate in enumerate(stats.get("accept_per_head", [])):

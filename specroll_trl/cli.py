@@ -11,27 +11,37 @@ from pathlib import Path
 
 def _demo(args) -> int:
     from . import zoo
+    from .demo import format_summary, run_demo
     from .distill import format_hit_table
 
     start = time.time()
-    print(f"[1/3] policy '{args.model}' (built once, then cached under {zoo.zoo_home()})", flush=True)
+    print(f"[1/4] policy '{args.model}' (built once, then cached under {zoo.zoo_home()})", flush=True)
     model, tokenizer = zoo.load_policy(args.model)
     info_file = Path(zoo.resolve_policy(args.model)) / "build_info.json"
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     print(f"      {info.get('parameters', sum(p.numel() for p in model.parameters())) / 1e6:.2f}M parameters, "
           f"built in {info.get('build_seconds', float('nan'))} s", flush=True)
-    print("[2/3] held-out evaluation at temperature 1", flush=True)
-    task = zoo.PRESETS[args.model].task if args.model in zoo.PRESETS else args.task
+    task = args.task or (zoo.PRESETS[args.model].task if args.model in zoo.PRESETS else "arithmetic")
+    print(f"[2/4] held-out evaluation on {args.eval_prompts} '{task}' prompts at temperature 1", flush=True)
     examples = zoo.task_examples(task, args.eval_prompts, seed=0, split="test")
     metrics = zoo.evaluate_policy(model, tokenizer, examples, temperature=1.0)
     print(f"      loss {metrics['heldout_loss']:.3f} nats/token, entropy {metrics['entropy']:.3f} nats/token, "
           f"correct {100 * metrics['accuracy']:.1f}% of {metrics['num_prompts']} prompts", flush=True)
-    print("[3/3] speculative heads (self-distilled on the policy's own samples, cached)", flush=True)
-    heads_path = zoo.build_heads(args.model)
-    report = json.loads((heads_path / "distill_report.json").read_text())
-    rates = [{int(k): v for k, v in r.items()} for r in report["hit_rates"]]
-    print(format_hit_table(rates))
-    print(f"done in {time.time() - start:.0f} s; heads in {heads_path}")
+    heads_path = args.heads
+    if heads_path is None:
+        print("[3/4] speculative heads (self-distilled on the policy's own samples, cached)", flush=True)
+        heads_path = str(zoo.build_heads(args.model))
+        report = json.loads((Path(heads_path) / "distill_report.json").read_text())
+        print(format_hit_table([{int(k): v for k, v in r.items()} for r in report["hit_rates"]]))
+    else:
+        print(f"[3/4] speculative heads from {heads_path}", flush=True)
+    print(f"[4/4] GRPOTrainer vs SpecGRPOTrainer (Reflex + slow path): {args.steps} steps x {args.repeats} runs each, "
+          f"{args.prompts_per_step} prompts x 8 completions, up to {args.max_completion_length} tokens", flush=True)
+    summary = run_demo(args.model, heads_path, task, steps=args.steps, repeats=args.repeats,
+                       prompts_per_step=args.prompts_per_step, max_completion_length=args.max_completion_length,
+                       out_dir=args.out, progress=not args.quiet)
+    print(format_summary(summary))
+    print(f"done in {time.time() - start:.0f} s; wrote {' and '.join(summary['files'])}")
     return 0
 
 
@@ -59,6 +69,24 @@ def _bench(args) -> int:
     from .bench import bench_e2e, bench_generation, bench_reflex, format_table, write_results
 
     if args.what == "ablation":
+        from .ablation import bench_ablation, format_ablation, plot_ablation
+
+        if args.quick:
+            records = bench_ablation(args.model, steps=6, max_completion_length=96, capacity=args.capacity,
+                                     learning_rate=args.lr)
+        else:
+            records = bench_ablation(args.model, steps=args.steps or 30,
+                                     max_completion_length=args.max_new_tokens or 192,
+                                     prompts_per_step=args.prompts_per_step or 1, capacity=args.capacity,
+                                     learning_rate=args.lr)
+        print(format_ablation(records))
+        if args.out:
+            write_results(records, args.out, plot=False)
+            plot_ablation(records, Path(args.out).with_suffix(".png"))
+            print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+        return 0
+
+    if args.what == "reflex":
         from .reflex import ReflexConfig
 
         variants = {name: ReflexConfig.preset(name) for name in args.variants} if args.variants else None
@@ -66,7 +94,7 @@ def _bench(args) -> int:
             records = bench_reflex(args.model, grpo_steps=4, repeats=1, max_new_tokens=128, capacity=args.capacity,
                                    group=args.group, variants=variants)
         else:
-            records = bench_reflex(args.model, grpo_steps=args.steps, repeats=args.repeats,
+            records = bench_reflex(args.model, grpo_steps=args.steps or 8, repeats=args.repeats,
                                    max_new_tokens=args.max_new_tokens or 192, capacity=args.capacity,
                                    group=args.group, variants=variants)
         if args.out:
@@ -77,9 +105,9 @@ def _bench(args) -> int:
         if args.quick:
             records = bench_e2e(args.model, steps=2, repeats=1, prompts_per_step=2, max_completion_length=128)
         else:
-            records = bench_e2e(args.model, steps=args.steps, repeats=args.repeats,
+            records = bench_e2e(args.model, steps=args.steps or 4, repeats=args.repeats,
                                 max_completion_length=args.max_new_tokens or 256,
-                                prompts_per_step=args.prompts_per_step)
+                                prompts_per_step=args.prompts_per_step or 4)
         for key, value in records[0].items():
             print(f"{key:>24}: {value}")
         if args.out:
@@ -121,10 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroll-trl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="build the default policy, distil its heads, print the acceptance table")
+    demo = sub.add_parser("demo", help="build the default policy and its heads, then GRPO vs SpecGRPO side by side")
     demo.add_argument("--model", default="tiny", help="zoo preset or HF model folder")
-    demo.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k"])
+    demo.add_argument("--heads", default=None, help="heads folder (default: the zoo preset's distilled heads)")
+    demo.add_argument("--task", default=None, choices=["arithmetic", "gsm8k"],
+                      help="GRPO prompts (default: the preset's task)")
     demo.add_argument("--eval-prompts", type=int, default=256)
+    demo.add_argument("--steps", type=int, default=8, help="GRPO steps per run")
+    demo.add_argument("--repeats", type=int, default=2, help="runs of each trainer, alternating")
+    demo.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step (x 8 completions)")
+    demo.add_argument("--max-completion-length", type=int, default=256)
+    demo.add_argument("--out", default="runs/demo", help="folder for demo.json and demo.png")
+    demo.add_argument("--quiet", action="store_true", help="no per-step trainer logs or progress bars")
     demo.set_defaults(func=_demo)
 
     heads = sub.add_parser("train-heads", help="self-distil speculative heads for a policy")
@@ -141,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     heads.set_defaults(func=_train_heads)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON records, see README)")
-    bench.add_argument("what", choices=["generation", "e2e", "ablation"],
-                       help="ablation: Reflex off/on on stale heads (the slow-path variants are not built yet)")
+    bench.add_argument("what", choices=["generation", "e2e", "ablation", "reflex"],
+                       help="ablation: static / reflex / slow / both / every_round (and vanilla) over one GRPO run "
+                       "each; reflex: Reflex presets vs static heads on stale targets, generation only")
     bench.add_argument("--model", default="tiny")
     bench.add_argument("--quick", action="store_true", help="reduced run (at most ~3 minutes on 2 cores)")
     bench.add_argument("--out", default=None, help="JSON file (a PNG is written beside it)")
@@ -150,15 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--max-new-tokens", type=int, default=None,
                        help="completion length (generation) / max_completion_length (e2e, default 256 there)")
-    bench.add_argument("--steps", type=int, default=4,
-                       help="GRPO steps per run (e2e) / GRPO steps that make the heads stale (ablation)")
-    bench.add_argument("--prompts-per-step", type=int, default=4,
-                       help="e2e: prompts per GRPO step (x 8 completions = rows generating together)")
+    bench.add_argument("--steps", type=int, default=None,
+                       help="GRPO steps per run (e2e: 4, ablation: 30) / GRPO steps that make the heads stale "
+                       "(reflex: 8)")
+    bench.add_argument("--prompts-per-step", type=int, default=None,
+                       help="prompts per GRPO step, x 8 completions = rows generating together (e2e: 4, ablation: 1)")
+    bench.add_argument("--lr", type=float, default=1e-4, help="ablation: GRPO learning rate (drives the drift)")
     bench.add_argument("--max-nodes", type=int, default=16)
     bench.add_argument("--group", type=int, default=1,
-                       help="ablation: completions per prompt in the batch (GRPO's num_generations)")
+                       help="reflex: completions per prompt in the batch (GRPO's num_generations)")
     bench.add_argument("--variants", nargs="+", default=None,
-                       help="ablation: Reflex presets to compare with static heads (specroll_trl.reflex.PRESETS; "
+                       help="reflex: Reflex presets to compare with static heads (specroll_trl.reflex.PRESETS; "
                             "default: baseline and the default config)")
     bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
     bench.set_defaults(func=_bench)

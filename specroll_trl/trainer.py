@@ -309,7 +309,7 @@ class SpecGRPOTrainer(GRPOTrainer):
         nodes, active = stats.get("nodes_per_row") or [0], stats.get("active_rows") or [0]
         metrics["spec/tree_nodes_per_row"].append(sum(nodes) / len(nodes))
         metrics["spec/active_rows"].append(sum(active) / len(active))
-        for key in ("reflex_gate", "reflex_norm", "reflex_lookup_hit"):
+        for key in ("reflex_gate", "reflex_norm", "reflex_lookup_hit", "reflex_seconds"):
             if key in stats:
                 metrics[f"spec/{key}"].append(float(stats[key]))
         for d, rate in enumerate(stats.get("accept_per_head", [])):

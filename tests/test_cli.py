@@ -18,10 +18,34 @@ def test_train_heads_cli_writes_heads_and_prints_hit_table(nano, tmp_path, capsy
     assert len(report["hit_rates"]) == 3
 
 
-def test_demo_cli_on_nano(nano, capsys):
-    assert main(["demo", "--model", "nano", "--eval-prompts", "16"]) == 0
+def test_demo_cli_on_nano_runs_grpo_and_specgrpo_side_by_side(nano, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", "nano", "--eval-prompts", "16", "--steps", "2", "--repeats", "1",
+                 "--prompts-per-step", "1", "--max-completion-length", "32", "--out", str(out), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "entropy" in printed and "correct" in printed and "top-1" in printed
+    assert "generation s / step" in printed and "speedup" in printed and "reward vanilla" in printed
+    data = json.loads((out / "demo.json").read_text())
+    summary, runs = data["summary"], data["runs"]
+    assert len(runs["vanilla"]) == len(runs["spec"]) == 1
+    assert summary["steps"] == 2 and len(summary["spec_reward_per_step"]) == 2
+    assert summary["tau"] > 1.0 and summary["generation_speedup"] > 0 and summary["speedup"] > 0
+    assert runs["vanilla"][0]["tau_per_round"] == [1.0, 1.0]  # TRL's own generate, not the engine
+    assert (out / "demo.png").stat().st_size > 10_000
+
+
+def test_bench_ablation_quick_writes_the_five_variants(nano, tmp_path):
+    from specroll_trl.ablation import bench_ablation
+
+    records = bench_ablation("nano", steps=2, max_completion_length=32, output_dir=str(tmp_path), progress=False,
+                             consolidation={"spec_consolidation_min_buffer": 16, "spec_consolidation_steps": 3})
+    by_name = {r["variant"]: r for r in records}
+    assert set(by_name) == {"static", "reflex", "slow", "both", "every_round", "vanilla"}
+    for r in records:
+        assert {"tau", "generation_s", "total_s", "speedup_vs_static", "reflex_overhead_share"} <= set(r)
+    assert by_name["every_round"]["consolidations"] == 2 and by_name["static"]["consolidations"] == 0
+    assert by_name["static"]["reflex_overhead_share"] == 0 < by_name["reflex"]["reflex_overhead_share"]
+    assert by_name["static"]["speedup_vs_static"] == 1.0
 
 
 def test_bench_generation_quick_writes_spec_records(nano, tmp_path):

@@ -60,8 +60,8 @@ def launch_sharded_run(config: str, tmp_path, launch_opts=(), script_opts=()) ->
            str(ROOT / "tests" / "sharded_grpo_run.py"), "--output-dir", str(tmp_path / "run"), *script_opts]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    records = [json.loads(line.split("SHARDED_RUN ", 1)[1]) for line in proc.stdout.splitlines()
-               if "SHARDED_RUN " in line]
+    # both ranks share stdout: two records can land on one line, so decode each from its marker on
+    records = [json.JSONDecoder().raw_decode(part)[0] for part in proc.stdout.split("SHARDED_RUN ")[1:]]
     assert sorted(r["rank"] for r in records) == [0, 1], proc.stdout[-2000:]
     return sorted(records, key=lambda r: r["rank"])
 

@@ -1,0 +1,165 @@
+"""The slow-path / Reflex ablation over a real GRPO run (``specroll-trl bench ablation``, SPEC 4).
+
+One GRPO run per variant, same config, seed and prompts, on a learning rate high enough for the policy to
+drift away from heads distilled before step 1:
+
+* ``static``: heads never change; ``reflex``: Reflex on; ``slow``: drift-triggered consolidation;
+  ``both``: Reflex and the slow path; ``every_round``: consolidation after every generation round
+  (the always-train baseline, FastGRPO-style);
+* ``vanilla``: TRL's own ``GRPOTrainer``, the reference for speed and for the reward curve.
+
+Per variant: tau and per-head acceptance per round, generation and step seconds, consolidations, rewards.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from .bench import _timed
+from .zoo import DEFAULT_PRESET, PRESETS
+
+VARIANTS = {
+    "static": {},
+    "reflex": {"spec_reflex": True},
+    "slow": {"spec_consolidation": True},
+    "both": {"spec_reflex": True, "spec_consolidation": True},
+    "every_round": {"spec_consolidation": True, "spec_consolidation_trigger": "every_round"},
+}
+
+
+def task_dataset(task: str, n: int, seed: int = 321):
+    """``n`` GRPO prompts of ``task`` (``arithmetic`` or ``gsm8k``), the same for every variant."""
+    from .data import load_gsm8k, make_arithmetic_task
+
+    if task == "arithmetic":
+        return make_arithmetic_task(n, seed=seed)
+    if task == "gsm8k":
+        return load_gsm8k("train", limit=n)
+    raise ValueError(f"unknown task {task!r}: expected 'arithmetic' or 'gsm8k'")
+
+
+def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, overrides: dict, steps: int,
+             num_generations: int = 8, prompts_per_step: int = 1, max_completion_length: int = 192,
+             learning_rate: float = 1e-4, capacity: int | None = None, output_dir: str = "runs/grpo",
+             progress: bool = True) -> dict:
+    """One timed GRPO run (``variant == "vanilla"``: TRL's ``GRPOTrainer``, else ``SpecGRPOTrainer`` with
+    ``overrides``); its record: per-round tau, acceptance and rewards, generation / step / re-fit seconds."""
+    from trl import GRPOTrainer
+
+    from .rewards import REWARD_FUNCS
+    from .trainer import SpecGRPOConfig, SpecGRPOTrainer
+
+    args = SpecGRPOConfig(
+        output_dir=f"{output_dir}/{variant}", max_steps=steps, num_generations=num_generations,
+        per_device_train_batch_size=num_generations * prompts_per_step,
+        max_completion_length=max_completion_length, learning_rate=learning_rate, logging_steps=1,
+        report_to="none", bf16=False, save_strategy="no", seed=0, disable_tqdm=not progress,
+        spec_heads_path=heads_path, spec_capacity=capacity, **overrides,
+    )
+    cls = GRPOTrainer if variant == "vanilla" else SpecGRPOTrainer
+    trainer = _timed(cls)(model=model_path, reward_funcs=REWARD_FUNCS, args=args, train_dataset=dataset)
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "reward" in r]
+    taus = [r.get("spec/tau", 1.0) for r in rows]
+    heads = sorted(k for k in rows[0] if k.startswith("spec/accept_head_")) if rows else []
+    callback = getattr(trainer, "spec_consolidation", None)
+    refit_s = callback.seconds if callback else 0.0
+    gen_s = sum(trainer.generation_seconds)
+    step_s = sum(trainer.timer.step_seconds) + refit_s  # re-fits run in on_step_end, after the step timer
+    reflex_s = sum(r.get("spec/reflex_seconds", 0.0) for r in rows)
+    return {
+        "variant": variant, "steps": steps, "learning_rate": learning_rate,
+        "rows_per_round": num_generations * prompts_per_step, "max_completion_length": max_completion_length,
+        "tau": statistics.median(taus), "tau_mean": statistics.mean(taus), "tau_per_round": taus,
+        "accept_per_head": [statistics.mean(r[k] for r in rows) for k in heads],
+        "accept_per_round": [[r[k] for k in heads] for r in rows],
+        "reflex_gate": statistics.mean(r.get("spec/reflex_gate", 0.0) for r in rows),
+        "reflex_lookup_hit": statistics.mean(r.get("spec/reflex_lookup_hit", 0.0) for r in rows),
+        "generation_s": gen_s, "total_s": step_s, "generation_s_per_step": trainer.generation_seconds,
+        "step_s_per_step": trainer.timer.step_seconds, "reflex_overhead_share": reflex_s / gen_s if gen_s else 0.0,
+        "consolidations": callback.count if callback else 0, "consolidation_s": refit_s,
+        "consolidation_failures": callback.failures if callback else 0,
+        "reward_per_step": [r["reward"] for r in rows],
+    }
+
+
+def add_speedups(records: list[dict]) -> list[dict]:
+    """``speedup_vs_static`` / ``speedup_vs_vanilla`` (and their generation-only twins) where those runs exist."""
+    for name in ("static", "vanilla"):
+        ref = next((r for r in records if r["variant"] == name), None)
+        for r in records:
+            if ref:
+                r[f"speedup_vs_{name}"] = ref["total_s"] / r["total_s"]
+                r[f"generation_speedup_vs_{name}"] = ref["generation_s"] / r["generation_s"]
+    return records
+
+
+def bench_ablation(model_name: str = DEFAULT_PRESET, steps: int = 30, num_generations: int = 8,
+                   prompts_per_step: int = 1, max_completion_length: int = 192, learning_rate: float = 1e-4,
+                   variants: tuple[str, ...] = (*VARIANTS, "vanilla"), capacity: int | None = None,
+                   consolidation: dict | None = None, task: str = "arithmetic",
+                   output_dir: str = "runs/bench_ablation", progress: bool = True) -> list[dict]:
+    """One record per variant (SPEC 4 fields plus per-round curves)."""
+    from .zoo import build_heads, resolve_policy
+
+    unknown = set(variants) - set(VARIANTS) - {"vanilla"}
+    if unknown:
+        raise ValueError(f"unknown ablation variants {sorted(unknown)}; choose from {[*VARIANTS, 'vanilla']}")
+    model_path = str(resolve_policy(model_name, progress=progress))
+    heads_path = str(build_heads(model_name, progress=progress)) if model_name in PRESETS else None
+    dataset = task_dataset(task, steps * prompts_per_step)
+    records = []
+    for variant in variants:
+        overrides = {} if variant == "vanilla" else dict(VARIANTS[variant])
+        if overrides.get("spec_consolidation"):
+            overrides.update(consolidation or {})
+        record = grpo_run(variant, model_path, heads_path, dataset, overrides, steps, num_generations,
+                          prompts_per_step, max_completion_length, learning_rate, capacity, output_dir, progress)
+        records.append({**record, "model": model_name, "task": task})
+        if progress:
+            r = records[-1]
+            print(f"{variant:<12} tau {r['tau_mean']:.3f}  generation {r['generation_s']:7.2f}s  "
+                  f"total {r['total_s']:7.2f}s  consolidations {r['consolidations']}  "
+                  f"reward {statistics.mean(r['reward_per_step']):.3f}", flush=True)
+    return add_speedups(records)
+
+
+def format_ablation(records: list[dict]) -> str:
+    lines = [f"{'variant':<12} {'tau':>5} {'gen_s':>7} {'total_s':>8} {'vs static':>9} {'vs vanilla':>10} "
+             f"{'refits':>6} {'refit_s':>7} {'reward':>6}  accept/head"]
+    for r in records:
+        acc = " ".join(f"{100 * a:3.0f}%" for a in r["accept_per_head"])
+        vs_static, vs_vanilla = r.get("speedup_vs_static", float("nan")), r.get("speedup_vs_vanilla", float("nan"))
+        lines.append(f"{r['variant']:<12} {r['tau_mean']:5.2f} {r['generation_s']:7.1f} {r['total_s']:8.1f} "
+                     f"{vs_static:8.2f}x {vs_vanilla:9.2f}x "
+                     f"{r['consolidations']:>6} {r['consolidation_s']:7.1f} "
+                     f"{statistics.mean(r['reward_per_step']):6.3f}  {acc}")
+    return "\n".join(lines)
+
+
+def plot_ablation(records: list[dict], path: str | Path) -> None:
+    """Acceptance (tau) per round for every variant, and the reward curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tau, ax_reward) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in records:
+        rounds = range(1, len(r["tau_per_round"]) + 1)
+        if r["variant"] != "vanilla":
+            ax_tau.plot(rounds, r["tau_per_round"], label=r["variant"], lw=1.2)
+        ax_reward.plot(rounds, r["reward_per_step"], label=r["variant"], lw=1.0,
+                       color="black" if r["variant"] == "vanilla" else None)
+    ax_tau.set_xlabel("GRPO step (one generation round)")
+    ax_tau.set_ylabel("tau (tokens per target forward per row)")
+    ax_tau.set_title("Acceptance as the policy drifts")
+    ax_tau.legend()
+    ax_reward.set_xlabel("GRPO step")
+    ax_reward.set_ylabel("mean reward")
+    ax_reward.set_title("Reward: speculative variants vs vanilla GRPO")
+    ax_reward.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -74,6 +74,7 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
         "tau": statistics.median(taus), "tau_mean": statistics.mean(taus), "tau_per_round": taus,
         "accept_per_head": [statistics.mean(r[k] for r in rows) for k in heads],
         "accept_per_round": [[r[k] for k in heads] for r in rows],
+        "nodes_per_row": statistics.mean(r.get("spec/tree_nodes_per_row", 0.0) for r in rows),
         "reflex_gate": statistics.mean(r.get("spec/reflex_gate", 0.0) for r in rows),
         "reflex_lookup_hit": statistics.mean(r.get("spec/reflex_lookup_hit", 0.0) for r in rows),
         "generation_s": gen_s, "total_s": step_s, "generation_s_per_step": trainer.generation_seconds,

@@ -52,17 +52,17 @@ class ConsolidationConfig:
     """
 
     trigger: str = "drift"
-    delta: float = 0.05
-    delta_r: float = 0.05
+    delta: float = 0.08
+    delta_r: float = 0.08
     patience: int = 3
     cooldown: int = 5
-    smoothing: float = 0.5
+    smoothing: float = 0.8
     buffer_size: int = 16384
     buffer_topk: int = 8
     min_buffer: int = 256
-    steps: int = 100
+    steps: int = 60
     max_seconds: float = 30.0
-    batch_size: int = 512
+    batch_size: int = 256
     lr: float = 3e-3
     lambda_nll: float = 0.5
     mu: float = 0.01

@@ -278,3 +278,14 @@ def test_trainer_with_peft_heads_saves_merged_heads_and_adapter(nano, tmp_path, 
     h = torch.randn(5, base.config.hidden_size)
     with torch.no_grad():
         assert torch.allclose(merged(h), trainer.spec_heads(h), atol=1e-5)
+
+
+def test_trainer_fields_mirror_the_consolidation_config():
+    import dataclasses
+
+    from specroll_trl.trainer import SPEC_DEFAULTS, consolidation_config_from
+
+    config = consolidation_config_from(SPEC_DEFAULTS)
+    assert config == ConsolidationConfig()
+    for f in dataclasses.fields(ConsolidationConfig):
+        assert f.name == "seed" or f"spec_consolidation_{f.name}" in SPEC_DEFAULTS, f.name

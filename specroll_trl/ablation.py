@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from .bench import _timed
+from .data import task_dataset
 from .zoo import DEFAULT_PRESET, PRESETS
 
 VARIANTS = {
@@ -26,17 +27,6 @@ VARIANTS = {
     "both": {"spec_reflex": True, "spec_consolidation": True},
     "every_round": {"spec_consolidation": True, "spec_consolidation_trigger": "every_round"},
 }
-
-
-def task_dataset(task: str, n: int, seed: int = 321):
-    """``n`` GRPO prompts of ``task`` (``arithmetic`` or ``gsm8k``), the same for every variant."""
-    from .data import load_gsm8k, make_arithmetic_task
-
-    if task == "arithmetic":
-        return make_arithmetic_task(n, seed=seed)
-    if task == "gsm8k":
-        return load_gsm8k("train", limit=n)
-    raise ValueError(f"unknown task {task!r}: expected 'arithmetic' or 'gsm8k'")
 
 
 def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, overrides: dict, steps: int,

@@ -172,18 +172,19 @@ def _timed(trainer_cls):
 
 def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2, num_generations: int = 8,
               prompts_per_step: int = 4, max_completion_length: int = 256, output_dir: str = "runs/bench_e2e",
-              progress: bool = True) -> list[dict]:
+              task: str | None = None, capacity: int | None = None, progress: bool = True) -> list[dict]:
     """GRPOTrainer vs SpecGRPOTrainer, same config and seed, alternating whole runs; one record."""
     from trl import GRPOTrainer
 
-    from .data import make_arithmetic_task
+    from .data import task_dataset
     from .rewards import REWARD_FUNCS
     from .trainer import SpecGRPOConfig, SpecGRPOTrainer
     from .zoo import build_heads, resolve_policy
 
     model_path = str(resolve_policy(model_name, progress=progress))
     heads_path = str(build_heads(model_name, progress=progress)) if model_name in PRESETS else None
-    dataset = make_arithmetic_task(steps * prompts_per_step, seed=123)
+    task = task or (PRESETS[model_name].task if model_name in PRESETS else "arithmetic")
+    dataset = task_dataset(task, steps * prompts_per_step, seed=123)
     results = {"vanilla": {"step": [], "gen": [], "reward": []}, "spec": {"step": [], "gen": [], "reward": []}}
     taus = []
     for r in range(repeats):
@@ -193,7 +194,7 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
                 per_device_train_batch_size=num_generations * prompts_per_step,
                 max_completion_length=max_completion_length, learning_rate=1e-5, logging_steps=1,
                 report_to="none", bf16=False, save_strategy="no", seed=0, disable_tqdm=not progress,
-                spec_heads_path=heads_path,
+                spec_heads_path=heads_path, spec_capacity=capacity,
             )
             trainer = _timed(cls)(model=model_path, reward_funcs=REWARD_FUNCS, args=args, train_dataset=dataset)
             trainer.train()
@@ -215,7 +216,7 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
         "vanilla_reward_mean": statistics.mean(results["vanilla"]["reward"]),
         "spec_reward_mean": statistics.mean(results["spec"]["reward"]),
         "num_generations": num_generations, "prompts_per_step": prompts_per_step,
-        "max_completion_length": max_completion_length, "model": model_name,
+        "max_completion_length": max_completion_length, "model": model_name, "task": task, "capacity": capacity,
     }]
 
 

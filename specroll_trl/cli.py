@@ -39,7 +39,7 @@ def _demo(args) -> int:
           f"{args.prompts_per_step} prompts x 8 completions, up to {args.max_completion_length} tokens", flush=True)
     summary = run_demo(args.model, heads_path, task, steps=args.steps, repeats=args.repeats,
                        prompts_per_step=args.prompts_per_step, max_completion_length=args.max_completion_length,
-                       out_dir=args.out, progress=not args.quiet)
+                       capacity=args.capacity or None, out_dir=args.out, progress=not args.quiet)
     print(format_summary(summary))
     print(f"done in {time.time() - start:.0f} s; wrote {' and '.join(summary['files'])}")
     return 0
@@ -157,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-prompts", type=int, default=256)
     demo.add_argument("--steps", type=int, default=8, help="GRPO steps per run")
     demo.add_argument("--repeats", type=int, default=2, help="runs of each trainer, alternating")
-    demo.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step (x 8 completions)")
+    demo.add_argument("--prompts-per-step", type=int, default=1, help="prompts per step (x 8 completions)")
+    demo.add_argument("--capacity", type=int, default=40,
+                      help="C_hw, query tokens per forward (40: 4 draft nodes per row at 8 rows, what suits `tiny` on "
+                      "2 CPU cores); 0 profiles it, which is noisy for tiny models on CPUs")
     demo.add_argument("--max-completion-length", type=int, default=256)
     demo.add_argument("--out", default="runs/demo", help="folder for demo.json and demo.png")
     demo.add_argument("--quiet", action="store_true", help="no per-step trainer logs or progress bars")

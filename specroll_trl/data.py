@@ -495,3 +495,12 @@ def arithmetic_examples(n: int, seed: int = 0) -> list[dict[str, str]]:
 def make_arithmetic_task(n: int, seed: int = 0, conversational: bool = False) -> datasets.Dataset:
     """Procedural arithmetic task as a dataset with columns ``prompt``, ``answer``, ``solution``."""
     return _to_dataset(arithmetic_examples(n, seed), conversational)
+
+
+def task_dataset(task: str, n: int, seed: int = 321) -> datasets.Dataset:
+    """``n`` GRPO prompts of ``task``: ``arithmetic`` (procedural, seeded) or ``gsm8k`` (the first ``n`` train rows)."""
+    if task == "arithmetic":
+        return make_arithmetic_task(n, seed=seed)
+    if task == "gsm8k":
+        return load_gsm8k("train", limit=n)
+    raise ValueError(f"unknown task {task!r}: expected 'arithmetic' or 'gsm8k'")

@@ -11,14 +11,16 @@ import json
 import statistics
 from pathlib import Path
 
-from .ablation import add_speedups, grpo_run, task_dataset
+from .ablation import add_speedups, grpo_run
+from .data import task_dataset
 
 SPEC_OVERRIDES = {"spec_reflex": True, "spec_consolidation": True}
 
 
 def run_demo(model: str = "tiny", heads_path: str | None = None, task: str | None = None, steps: int = 8,
-             repeats: int = 2, prompts_per_step: int = 2, max_completion_length: int = 256,
-             learning_rate: float = 1e-5, out_dir: str = "runs/demo", progress: bool = True) -> dict:
+             repeats: int = 2, prompts_per_step: int = 1, max_completion_length: int = 256,
+             learning_rate: float = 1e-5, capacity: int | None = 40, out_dir: str = "runs/demo",
+             progress: bool = True) -> dict:
     from . import zoo
 
     model_path = str(zoo.resolve_policy(model, progress=progress))
@@ -37,9 +39,10 @@ def run_demo(model: str = "tiny", heads_path: str | None = None, task: str | Non
                       flush=True)
             record = grpo_run(name, model_path, heads_path, dataset, SPEC_OVERRIDES if name == "spec" else {},
                               steps, prompts_per_step=prompts_per_step, max_completion_length=max_completion_length,
-                              learning_rate=learning_rate, output_dir=f"{out_dir}/run{r}", progress=progress)
+                              learning_rate=learning_rate, capacity=capacity, output_dir=f"{out_dir}/run{r}",
+                              progress=progress)
             runs[name].append(record)
-    summary = summarise(runs, model=model, task=task, heads=heads_path)
+    summary = summarise(runs, model=model, task=task, heads=heads_path, capacity=capacity)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")

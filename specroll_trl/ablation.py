@@ -58,6 +58,7 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
     gen_s = sum(trainer.generation_seconds)
     step_s = sum(trainer.timer.step_seconds) + refit_s  # re-fits run in on_step_end, after the step timer
     reflex_s = sum(r.get("spec/reflex_seconds", 0.0) for r in rows)
+    capture_s = sum(r.get("spec/capture_seconds", 0.0) for r in rows)
     return {
         "variant": variant, "steps": steps, "learning_rate": learning_rate,
         "rows_per_round": num_generations * prompts_per_step, "max_completion_length": max_completion_length,
@@ -69,6 +70,7 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
         "reflex_lookup_hit": statistics.mean(r.get("spec/reflex_lookup_hit", 0.0) for r in rows),
         "generation_s": gen_s, "total_s": step_s, "generation_s_per_step": trainer.generation_seconds,
         "step_s_per_step": trainer.timer.step_seconds, "reflex_overhead_share": reflex_s / gen_s if gen_s else 0.0,
+        "capture_overhead_share": capture_s / gen_s if gen_s else 0.0,
         "consolidations": callback.count if callback else 0, "consolidation_s": refit_s,
         "consolidation_failures": callback.failures if callback else 0,
         "reward_per_step": [r["reward"] for r in rows],

@@ -11,6 +11,8 @@ drift monitor's second signal. Everything is detached; nothing here needs gradie
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .hooks import StepFeedback, StepHook
@@ -78,6 +80,7 @@ class BufferCapture(StepHook):
         self._ids = self._probs = self._tokens = None
         self.regret_sum.zero_()
         self.regret_count.zero_()
+        self.seconds = 0.0
 
     def _grow(self, length: int, device) -> None:
         k = self.buffer.topk
@@ -94,6 +97,11 @@ class BufferCapture(StepHook):
 
     @torch.no_grad()
     def feedback(self, step: StepFeedback):
+        start = time.perf_counter()
+        self._record(step)
+        self.seconds += time.perf_counter() - start
+
+    def _record(self, step: StepFeedback):
         rows, width = step.rows, step.accepted.shape[1]
         if step.hidden is not None:
             self._steps.append((rows, step.root_index, step.hidden.detach().float()))
@@ -119,6 +127,11 @@ class BufferCapture(StepHook):
 
     @torch.no_grad()
     def finish(self, lengths):
+        start = time.perf_counter()
+        self._pair(lengths)
+        self.seconds += time.perf_counter() - start
+
+    def _pair(self, lengths):
         if not self._steps or self._ids is None:
             return
         rows = torch.cat([s[0] for s in self._steps])
@@ -137,4 +150,4 @@ class BufferCapture(StepHook):
         return (self.regret_sum / self.regret_count).tolist()  # 0/0 -> NaN
 
     def metrics(self):
-        return {"candidate_regret": self.regret()}
+        return {"candidate_regret": self.regret(), "capture_seconds": self.seconds}

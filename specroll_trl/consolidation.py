@@ -59,7 +59,7 @@ class ConsolidationConfig:
     smoothing: float = 0.8
     buffer_size: int = 16384
     buffer_topk: int = 8
-    min_buffer: int = 256
+    min_buffer: int = 2048
     steps: int = 60
     max_seconds: float = 30.0
     batch_size: int = 256

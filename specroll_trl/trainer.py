@@ -119,7 +119,7 @@ class SpecGRPOConfig(GRPOConfig):
     spec_consolidation_smoothing: float = field(default=0.8, metadata={"help": "EMA factor of monitored values."})
     spec_consolidation_buffer_size: int = field(default=16384, metadata={"help": "Captured tuples kept (ring)."})
     spec_consolidation_buffer_topk: int = field(default=8, metadata={"help": "Target top-K kept per tuple and head."})
-    spec_consolidation_min_buffer: int = field(default=256, metadata={"help": "No re-fit on fewer tuples."})
+    spec_consolidation_min_buffer: int = field(default=2048, metadata={"help": "No re-fit on fewer tuples."})
     spec_consolidation_steps: int = field(default=60, metadata={"help": "Optimiser steps per re-fit."})
     spec_consolidation_max_seconds: float = field(default=30.0, metadata={"help": "Wall-clock bound per re-fit."})
     spec_consolidation_batch_size: int = field(default=256, metadata={"help": "Tuples per re-fit step."})
@@ -309,7 +309,7 @@ class SpecGRPOTrainer(GRPOTrainer):
         nodes, active = stats.get("nodes_per_row") or [0], stats.get("active_rows") or [0]
         metrics["spec/tree_nodes_per_row"].append(sum(nodes) / len(nodes))
         metrics["spec/active_rows"].append(sum(active) / len(active))
-        for key in ("reflex_gate", "reflex_norm", "reflex_lookup_hit", "reflex_seconds"):
+        for key in ("reflex_gate", "reflex_norm", "reflex_lookup_hit", "reflex_seconds", "capture_seconds"):
             if key in stats:
                 metrics[f"spec/{key}"].append(float(stats[key]))
         for d, rate in enumerate(stats.get("accept_per_head", [])):

@@ -35,6 +35,7 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
              progress: bool = True) -> dict:
     """One timed GRPO run (``variant == "vanilla"``: TRL's ``GRPOTrainer``, else ``SpecGRPOTrainer`` with
     ``overrides``); its record: per-round tau, acceptance and rewards, generation / step / re-fit seconds."""
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
     from .rewards import REWARD_FUNCS
@@ -49,6 +50,8 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
     )
     cls = GRPOTrainer if variant == "vanilla" else SpecGRPOTrainer
     trainer = _timed(cls)(model=model_path, reward_funcs=REWARD_FUNCS, args=args, train_dataset=dataset)
+    if not progress:
+        trainer.remove_callback(PrinterCallback)  # no per-step log dicts either
     trainer.train()
     rows = [r for r in trainer.state.log_history if "reward" in r]
     taus = [r.get("spec/tau", 1.0) for r in rows]

@@ -54,6 +54,12 @@ class DriftMonitor:
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else self.smoothing * old + (1 - self.smoothing) * new
 
+    def _track(self, smoothed: list, refs: list, h: int, value: float, best) -> float:
+        """Smooth ``value`` into ``smoothed[h]`` and move the reference ``refs[h]`` to the ``best`` seen."""
+        smoothed[h] = s = self._smooth(smoothed[h], float(value))
+        refs[h] = s if refs[h] is None else best(refs[h], s)
+        return s
+
     def update(self, accept: Sequence[float] | None, regret: Sequence[float] | None = None) -> bool:
         """Feed one window: per-head acceptance rates and candidate regrets (either may be ``None``, and NaN
         entries are skipped, e.g. a round that drafted nothing). Returns True when the monitor fires."""
@@ -63,17 +69,11 @@ class DriftMonitor:
             a = None if accept is None else accept[h]
             if a is not None and not math.isnan(a):
                 seen = True
-                self.accept[h] = s = self._smooth(self.accept[h], float(a))
-                ref = self.ref_accept[h]
-                self.ref_accept[h] = s if ref is None else max(ref, s)
-                drifted |= s < self.ref_accept[h] - self.delta
+                drifted |= self._track(self.accept, self.ref_accept, h, a, max) < self.ref_accept[h] - self.delta
             r = None if regret is None else regret[h]
             if r is not None and not math.isnan(r):
                 seen = True
-                self.regret[h] = s = self._smooth(self.regret[h], float(r))
-                ref = self.ref_regret[h]
-                self.ref_regret[h] = s if ref is None else min(ref, s)
-                drifted |= s > self.ref_regret[h] + self.delta_r
+                drifted |= self._track(self.regret, self.ref_regret, h, r, min) > self.ref_regret[h] + self.delta_r
         if not seen:
             return False
         self.windows += 1

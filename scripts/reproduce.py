@@ -1,7 +1,7 @@
 """Regenerate the paper-style result tables from one command (README "Results").
 
-  python scripts/reproduce.py            # everything (~25 min on 2 CPU cores, zoo cached)
-  python scripts/reproduce.py --quick    # reduced sizes (~8 min), same tables
+  python scripts/reproduce.py            # everything (~2.5 min on 2 CPU cores once the zoo is cached)
+  python scripts/reproduce.py --quick    # reduced sizes (~1.5 min), same tables
 
 Writes ``benchmarks/reproduce/*.json`` (SPEC 4 records) and ``benchmarks/reproduce/RESULTS.md`` with:
 (1) generation and end-to-end speedup against vanilla GRPO for each shipped policy size (``nano``, ``tiny``) and

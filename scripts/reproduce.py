@@ -54,13 +54,13 @@ def main() -> None:
                     gen_rows.append({**r, "task": task})
             e2e = bench_e2e(preset, steps=2 if q else 4, repeats=1 if q else 2, prompts_per_step=1,
                             max_completion_length=128 if q else 256, task=task, capacity=CAPACITY,
-                            output_dir=str(out / "runs"), progress=False)[0]
+                            output_dir=str(ROOT / "runs" / "reproduce"), progress=False)[0]
             e2e_rows.append(e2e)
     (out / "speedups.json").write_text(json.dumps({"generation": gen_rows, "e2e": e2e_rows}, indent=1) + "\n")
 
     print("== ablation: tiny", flush=True)
     ablation = bench_ablation("tiny", steps=10 if q else 30, max_completion_length=128 if q else 192,
-                              capacity=CAPACITY, output_dir=str(out / "runs"), progress=False)
+                              capacity=CAPACITY, output_dir=str(ROOT / "runs" / "reproduce"), progress=False)
     (out / "ablation.json").write_text(json.dumps(ablation, indent=1) + "\n")
     plot_ablation(ablation, out / "ablation.png")
 

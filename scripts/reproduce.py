@@ -7,7 +7,8 @@ Writes ``benchmarks/reproduce/*.json`` (SPEC 4 records) and ``benchmarks/reprodu
 (1) generation and end-to-end speedup against vanilla GRPO for each shipped policy size (``nano``, ``tiny``) and
 each task (the default procedural arithmetic task and GSM8K); (2) the ablation (static heads, Reflex only,
 slow path only, both, update every round); (3) reward trajectories of vanilla and speculative GRPO and their
-difference. Every timing alternates vanilla and speculative runs on the same machine.
+difference. Generation and end-to-end timings alternate vanilla and speculative runs on the same machine; the
+ablation runs its variants one after the other (single runs: compare tau, and read its seconds with care).
 """
 
 from __future__ import annotations

@@ -53,11 +53,17 @@ class HeadBuffer:
         self.size = min(self.capacity, self.size + n)
         self.added += n
 
-    def sample(self, n: int, generator: torch.Generator | None = None):
-        """``n`` tuples drawn uniformly with replacement: ``(hidden, ids, probs, tokens, valid)``."""
+    def sample(self, n: int, generator: torch.Generator | None = None, among: torch.Tensor | None = None):
+        """``n`` tuples drawn uniformly with replacement (from the slots ``among``, default all):
+        ``(hidden, ids, probs, tokens, valid)``."""
         if self.size == 0:
             raise ValueError("the head buffer is empty")
-        index = torch.randint(self.size, (n,), generator=generator)
+        if among is None:
+            return self.take(torch.randint(self.size, (n,), generator=generator))
+        return self.take(among[torch.randint(len(among), (n,), generator=generator)])
+
+    def take(self, index: torch.Tensor):
+        """The tuples at slots ``index``."""
         return self.hidden[index], self.ids[index], self.probs[index], self.tokens[index], self.valid[index]
 
     def clear(self) -> None:

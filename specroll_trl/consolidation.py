@@ -48,6 +48,9 @@ class ConsolidationConfig:
         lr: Adam learning rate.
         lambda_nll: weight of cross-entropy on the realised token.
         mu: weight of the proximal term ``||theta - theta_anchor||^2``.
+        holdout_fraction: share of the buffer kept out of the re-fit; the new heads are kept only if their loss
+            on it improved (otherwise the previous heads are restored: a re-fit that only memorised recent
+            tuples is rejected). 0 disables the check.
         seed: seeds the minibatch draws.
     """
 
@@ -66,6 +69,7 @@ class ConsolidationConfig:
     lr: float = 3e-3
     lambda_nll: float = 0.5
     mu: float = 0.01
+    holdout_fraction: float = 0.1
     seed: int = 0
 
     def __post_init__(self):
@@ -77,6 +81,8 @@ class ConsolidationConfig:
         for name in ("max_seconds", "lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"consolidation {name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.holdout_fraction < 1:
+            raise ValueError(f"consolidation holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
         if self.lambda_nll < 0 or self.mu < 0:
             raise ValueError(f"lambda_nll and mu must be >= 0, got {self.lambda_nll} and {self.mu}")
         DriftMonitor(1, self.delta, self.delta_r, self.patience, self.cooldown, self.smoothing)  # validates those
@@ -89,11 +95,14 @@ class ConsolidationReport:
 
     ok: bool
     skipped: bool = False
+    rejected: bool = False
     steps: int = 0
     seconds: float = 0.0
     loss_before: float = math.nan
     loss_after: float = math.nan
     param_step: float = 0.0
+    heldout_before: float = math.nan
+    heldout_after: float = math.nan
     reason: str = ""
 
 
@@ -124,15 +133,29 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
     weight = lm_head.weight.detach()
     device = weight.device
     generator = torch.Generator().manual_seed(config.seed)
+    order = torch.randperm(len(buffer), generator=generator)
+    cut = int(len(buffer) * config.holdout_fraction)
+    held, train = order[:cut], order[cut:]
+
+    def on_device(batch):
+        batch = [t.to(device) for t in batch]
+        batch[0] = batch[0].to(weight.dtype)
+        return batch
+
+    def heldout_loss() -> float:
+        with torch.no_grad():
+            return float(consolidation_loss(heads, weight, on_device(buffer.take(held[:4096])), config.lambda_nll))
+
     optimizer = torch.optim.Adam(params, lr=config.lr)
     was_training = heads.training
     heads.train()
     report = ConsolidationReport(True)
     try:
+        if len(held):
+            report.heldout_before = heldout_loss()
         with torch.enable_grad():
             for step in range(config.steps):
-                batch = [t.to(device) for t in buffer.sample(config.batch_size, generator)]
-                batch[0] = batch[0].to(weight.dtype)
+                batch = on_device(buffer.sample(config.batch_size, generator, among=train))
                 fit = consolidation_loss(heads, weight, batch, config.lambda_nll)
                 proximal = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
                 loss = fit + config.mu * proximal
@@ -151,6 +174,13 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
             if not torch.isfinite(p).all():
                 raise FloatingPointError("consolidation produced non-finite head parameters")
         report.param_step = float(sum(((p.detach() - a) ** 2).sum() for p, a in zip(params, anchor)).sqrt())
+        if len(held):
+            report.heldout_after = heldout_loss()
+            if not report.heldout_after < report.heldout_before:
+                heads.load_state_dict(backup)
+                report.ok, report.rejected = False, True
+                report.reason = (f"held-out loss did not improve ({report.heldout_before:.4f} -> "
+                                 f"{report.heldout_after:.4f}); previous heads kept")
     except (FloatingPointError, RuntimeError, ValueError, torch.OutOfMemoryError) as err:
         heads.load_state_dict(backup)
         report = ConsolidationReport(False, steps=report.steps, reason=f"{type(err).__name__}: {err}")
@@ -178,7 +208,7 @@ class ConsolidationCallback(TrainerCallback):
         self.buffer: HeadBuffer | None = None
         self.capture: BufferCapture | None = None
         self.pending = False
-        self.count = self.failures = 0
+        self.count = self.failures = self.rejected = 0
         self.seconds = 0.0
         self.last_report: ConsolidationReport | None = None
 
@@ -215,6 +245,8 @@ class ConsolidationCallback(TrainerCallback):
         if report.ok:
             self.count += 1
             self.monitor.reset_reference()
+        elif report.rejected:
+            self.rejected += 1
         elif not report.skipped:
             self.failures += 1
         return report
@@ -228,6 +260,7 @@ class ConsolidationCallback(TrainerCallback):
         metrics["spec/consolidations"].append(float(self.count))
         metrics["spec/consolidation_seconds"].append(report.seconds)
         metrics["spec/consolidation_failures"].append(float(self.failures))
+        metrics["spec/consolidation_rejected"].append(float(self.rejected))
         if report.ok:
             metrics["spec/consolidation_loss_before"].append(report.loss_before)
             metrics["spec/consolidation_loss_after"].append(report.loss_after)
@@ -236,10 +269,12 @@ class ConsolidationCallback(TrainerCallback):
     def state_dict(self) -> dict:
         return {"config": asdict(self.config),
                 "monitor": self.monitor.state_dict() if self.monitor else None,
-                "count": self.count, "failures": self.failures, "seconds": self.seconds, "pending": self.pending}
+                "count": self.count, "failures": self.failures, "rejected": self.rejected, "seconds": self.seconds,
+                "pending": self.pending}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("monitor") is not None and self.monitor is not None:
             self.monitor.load_state_dict(state["monitor"])
         self.count, self.failures = int(state.get("count", 0)), int(state.get("failures", 0))
+        self.rejected = int(state.get("rejected", 0))
         self.seconds, self.pending = float(state.get("seconds", 0.0)), bool(state.get("pending", False))

@@ -126,6 +126,8 @@ class SpecGRPOConfig(GRPOConfig):
     spec_consolidation_lr: float = field(default=3e-3, metadata={"help": "Adam learning rate of re-fits."})
     spec_consolidation_lambda_nll: float = field(default=0.5, metadata={"help": "Weight of CE on realised tokens."})
     spec_consolidation_mu: float = field(default=0.01, metadata={"help": "Weight of the proximal term."})
+    spec_consolidation_holdout_fraction: float = field(
+        default=0.1, metadata={"help": "Buffer share held out; a re-fit that does not lower its loss is undone."})
     spec_fallback_to_generate: bool = field(
         default=True,
         metadata={"help": "On a model the engine cannot run (e.g. FlashAttention-2 only), log and use generate."},

@@ -132,12 +132,15 @@ def test_capture_measures_candidate_regret_per_head(nano):
 # --------------------------------------------------------------------------- consolidation
 
 
-def filled_buffer(seed=0, n=600, vocab=32, hidden=32, heads=2, topk=4):
+def filled_buffer(model, seed=0, n=600, heads=2, topk=4):
+    """Tuples whose targets a teacher set of heads produced from the hidden states: learnable structure."""
     gen = torch.Generator().manual_seed(seed)
-    buffer = HeadBuffer(1024, heads, hidden, topk)
-    probs = torch.softmax(torch.randn((n, heads, topk), generator=gen), -1)
-    ids = torch.stack([torch.randperm(vocab, generator=gen)[:topk] for _ in range(n * heads)]).view(n, heads, topk)
-    buffer.add(torch.randn((n, hidden), generator=gen), ids, probs, ids[..., 0], torch.ones((n, heads), dtype=bool))
+    teacher = noisy_heads(model, num_heads=heads, std=0.3, seed=seed + 100)
+    buffer = HeadBuffer(1024, heads, model.config.hidden_size, topk)
+    hidden = torch.randn((n, model.config.hidden_size), generator=gen)
+    with torch.no_grad():
+        top = torch.softmax(model.lm_head(teacher(hidden)), -1).topk(topk, dim=-1)
+    buffer.add(hidden, top.indices, top.values, top.indices[..., 0], torch.ones((n, heads), dtype=torch.bool))
     return buffer
 
 
@@ -151,8 +154,9 @@ def test_consolidation_changes_only_the_heads():
     opt_before = copy.deepcopy(opt.state_dict())
     heads = noisy_heads(model, num_heads=2, std=0.1)
     heads_before = copy.deepcopy(heads.state_dict())
-    report = consolidate_heads(heads, model.lm_head, filled_buffer(), ConsolidationConfig(steps=20, min_buffer=1))
-    assert report.ok and report.steps == 20 and report.loss_after < report.loss_before
+    report = consolidate_heads(heads, model.lm_head, filled_buffer(model), ConsolidationConfig(steps=30, lr=1e-2,
+                                                                                          min_buffer=1))
+    assert report.ok and report.steps == 30 and report.heldout_after < report.heldout_before
     assert any(not torch.equal(heads_before[k], v) for k, v in heads.state_dict().items())
     assert all(torch.equal(policy_before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
@@ -166,8 +170,8 @@ def test_the_proximal_term_bounds_the_parameter_step():
     steps = {}
     for mu in (0.0, 1.0, 100.0):
         heads = noisy_heads(model, num_heads=2, std=0.1)
-        report = consolidate_heads(heads, model.lm_head, filled_buffer(),
-                                   ConsolidationConfig(steps=100, mu=mu, lr=3e-3, min_buffer=1))
+        report = consolidate_heads(heads, model.lm_head, filled_buffer(model),
+                                   ConsolidationConfig(steps=100, mu=mu, lr=3e-3, min_buffer=1, holdout_fraction=0))
         assert report.ok
         steps[mu] = report.param_step
     assert steps[100.0] < steps[1.0] < 0.1 * steps[0.0]
@@ -177,13 +181,13 @@ def test_nan_or_an_exception_restores_the_heads(monkeypatch):
     model = make_model(vocab=32, hidden=32)
     heads = noisy_heads(model, num_heads=2, std=0.1)
     before = copy.deepcopy(heads.state_dict())
-    buffer = filled_buffer()
+    buffer = filled_buffer(model)
     buffer.hidden[: len(buffer)] = float("nan")
     report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(steps=5, min_buffer=1))
     assert not report.ok and "nan" in report.reason.lower()
     assert all(torch.equal(before[k], v) for k, v in heads.state_dict().items())
 
-    buffer = filled_buffer()
+    buffer = filled_buffer(model)
     calls = {"n": 0}
     real_sample = buffer.sample
 
@@ -200,12 +204,38 @@ def test_nan_or_an_exception_restores_the_heads(monkeypatch):
     assert not consolidate_heads(heads, model.lm_head, HeadBuffer(8, 2, 32, 4)).ok  # empty buffer: skipped
 
 
+def random_target_buffer(seed=0, n=600, vocab=32, hidden=32, heads=2, topk=4):
+    """Tuples whose targets have nothing to do with their hidden states: only memorisable."""
+    gen = torch.Generator().manual_seed(seed)
+    buffer = HeadBuffer(1024, heads, hidden, topk)
+    probs = torch.softmax(torch.randn((n, heads, topk), generator=gen), -1)
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:topk] for _ in range(n * heads)]).view(n, heads, topk)
+    buffer.add(torch.randn((n, hidden), generator=gen), ids, probs, ids[..., 0], torch.ones((n, heads), dtype=bool))
+    return buffer
+
+
+def test_a_refit_that_only_memorises_is_undone():
+    model = make_model(vocab=32, hidden=32)
+    heads = noisy_heads(model, num_heads=2, std=0.1)
+    good = consolidate_heads(heads, model.lm_head, filled_buffer(model),
+                             ConsolidationConfig(steps=30, lr=1e-2, min_buffer=1))
+    assert good.ok and good.heldout_after < good.heldout_before
+    before = copy.deepcopy(heads.state_dict())
+    memorised = consolidate_heads(heads, model.lm_head, random_target_buffer(),
+                                  ConsolidationConfig(steps=200, lr=3e-2, mu=0, min_buffer=1, holdout_fraction=0.2))
+    assert memorised.loss_after < memorised.loss_before - 0.2  # it did fit its training part...
+    assert not memorised.ok and memorised.rejected and memorised.heldout_after > memorised.heldout_before
+    assert "held-out loss did not improve" in memorised.reason
+    assert all(torch.equal(before[k], v) for k, v in heads.state_dict().items())  # ...and was undone
+
+
 def test_peft_heads_update_only_their_adapters():
     model = make_model(vocab=32, hidden=32)
     base = noisy_heads(model, num_heads=2, std=0.1)
     heads = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["linear"], init_lora_weights=True))
     before = {k: v.clone() for k, v in heads.state_dict().items()}
-    report = consolidate_heads(heads, model.lm_head, filled_buffer(), ConsolidationConfig(steps=10, min_buffer=1))
+    report = consolidate_heads(heads, model.lm_head, filled_buffer(model),
+                               ConsolidationConfig(steps=10, min_buffer=1, holdout_fraction=0))
     assert report.ok
     changed = {k for k, v in heads.state_dict().items() if not torch.equal(before[k], v)}
     assert changed and all("lora_" in k for k in changed)
@@ -240,7 +270,8 @@ def test_consolidation_raises_acceptance_on_a_drifted_target(nano):
 
 def test_trainer_consolidates_logs_and_resumes_monitor_state(nano, tmp_path, dataset):  # noqa: F811
     args = small_args(tmp_path, spec_consolidation=True, spec_consolidation_trigger="every_round",
-                      spec_consolidation_min_buffer=16, spec_consolidation_steps=5, save_strategy="steps",
+                      spec_consolidation_min_buffer=16, spec_consolidation_steps=5,
+                      spec_consolidation_holdout_fraction=0.0, save_strategy="steps",
                       save_steps=1, max_steps=2)
     initial = copy.deepcopy(zoo.load_heads("nano", progress=False).state_dict())
     trainer = run(SpecGRPOTrainer, args, dataset)
@@ -268,7 +299,8 @@ def test_trainer_with_peft_heads_saves_merged_heads_and_adapter(nano, tmp_path, 
     base = zoo.load_heads("nano", progress=False)
     heads = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["linear"]))
     args = small_args(tmp_path, spec_consolidation=True, spec_consolidation_trigger="every_round",
-                      spec_consolidation_min_buffer=16, spec_consolidation_steps=5, max_steps=1)
+                      spec_consolidation_min_buffer=16, spec_consolidation_steps=5,
+                      spec_consolidation_holdout_fraction=0.0, max_steps=1)
     trainer = run(SpecGRPOTrainer, args, dataset, heads=heads)
     assert trainer.spec_consolidation.count == 1
     trainer.save_model(str(tmp_path / "final"))

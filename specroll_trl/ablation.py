@@ -77,6 +77,8 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
         "consolidations": callback.count if callback else 0, "consolidation_s": refit_s,
         "consolidation_failures": callback.failures if callback else 0,
         "reward_per_step": [r["reward"] for r in rows],
+        "completion_tokens_per_step": [r["completions/mean_length"] * num_generations * prompts_per_step
+                                       for r in rows],
     }
 
 

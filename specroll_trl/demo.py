@@ -1,7 +1,7 @@
 """``specroll-trl demo``: vanilla ``GRPOTrainer`` and ``SpecGRPOTrainer`` side by side on the default policy.
 
-Same config, seed and prompts; whole runs alternate (vanilla, spec, vanilla, spec, ...) so that machine noise
-hits both. The speculative runs use Reflex and the slow path. Writes a JSON of both runs and a PNG of the
+Same config, seed and prompts; whole runs alternate (vanilla, spec with static heads, spec with Reflex and the
+slow path, then again) so that machine noise hits all three. Writes a JSON of the runs and a PNG of the
 per-step seconds, tau and rewards; returns the summary the CLI prints.
 """
 
@@ -11,10 +11,14 @@ import json
 import statistics
 from pathlib import Path
 
-from .ablation import add_speedups, grpo_run
+from .ablation import grpo_run
 from .data import task_dataset
 
-SPEC_OVERRIDES = {"spec_reflex": True, "spec_consolidation": True}
+RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOTrainer)
+    "vanilla": ("GRPOTrainer", None),
+    "spec_static": ("SpecGRPOTrainer, static heads", {}),
+    "spec": ("SpecGRPOTrainer + Reflex + slow path", {"spec_reflex": True, "spec_consolidation": True}),
+}
 
 
 def run_demo(model: str = "tiny", heads_path: str | None = None, task: str | None = None, steps: int = 8,
@@ -31,14 +35,14 @@ def run_demo(model: str = "tiny", heads_path: str | None = None, task: str | Non
         heads_path = str(zoo.build_heads(model, progress=progress))
     task = task or (zoo.PRESETS[model].task if model in zoo.PRESETS else "arithmetic")
     dataset = task_dataset(task, steps * prompts_per_step, seed=2024)
-    runs: dict[str, list[dict]] = {"vanilla": [], "spec": []}
+    runs: dict[str, list[dict]] = {name: [] for name in RUNS}
     for r in range(repeats):
-        for name in ("vanilla", "spec"):
+        for name, (label, overrides) in RUNS.items():
             if progress:
-                print(f"      run {r + 1}/{repeats}: {'GRPOTrainer' if name == 'vanilla' else 'SpecGRPOTrainer'}",
-                      flush=True)
-            record = grpo_run(name, model_path, heads_path, dataset, SPEC_OVERRIDES if name == "spec" else {},
-                              steps, prompts_per_step=prompts_per_step, max_completion_length=max_completion_length,
+                print(f"      run {r + 1}/{repeats}: {label}", flush=True)
+            record = grpo_run("vanilla" if overrides is None else name, model_path, heads_path, dataset,
+                              overrides or {}, steps, prompts_per_step=prompts_per_step,
+                              max_completion_length=max_completion_length,
                               learning_rate=learning_rate, capacity=capacity, output_dir=f"{out_dir}/run{r}",
                               progress=progress)
             runs[name].append(record)
@@ -55,52 +59,69 @@ def _per_step_median(records: list[dict], key: str) -> list[float]:
     return [statistics.median(values) for values in zip(*(r[key] for r in records))]
 
 
+def _variant(records: list[dict], vanilla: dict) -> dict:
+    gen = statistics.median(x for r in records for x in r["generation_s_per_step"])
+    # ms per generated token: completions differ in length from run to run (same distribution, other draws)
+    ms = 1e3 * sum(r["generation_s"] for r in records) / sum(sum(r["completion_tokens_per_step"]) for r in records)
+    step = statistics.median(r["total_s"] / r["steps"] for r in records)
+    out = {"generation_s": gen, "ms_per_token": ms, "step_s": step,
+           "reward_per_step": _per_step_median(records, "reward_per_step"),
+           "reward_mean": statistics.mean(x for r in records for x in r["reward_per_step"]),
+           "tau": statistics.mean(r["tau_mean"] for r in records),
+           "accept_per_head": [statistics.mean(a) for a in zip(*(r["accept_per_head"] for r in records))],
+           "reflex_gate": statistics.mean(r["reflex_gate"] for r in records),
+           "reflex_lookup_hit": statistics.mean(r["reflex_lookup_hit"] for r in records),
+           "reflex_overhead_share": statistics.mean(r["reflex_overhead_share"] for r in records),
+           "consolidations": sum(r["consolidations"] for r in records)}
+    if vanilla:
+        out.update(generation_speedup=vanilla["generation_s"] / gen, per_token_generation_speedup=vanilla[
+            "ms_per_token"] / ms, speedup=vanilla["step_s"] / step)
+    return out
+
+
 def summarise(runs: dict[str, list[dict]], **info) -> dict:
-    v, s = runs["vanilla"], runs["spec"]
-    vanilla_gen = statistics.median(x for r in v for x in r["generation_s_per_step"])
-    spec_gen = statistics.median(x for r in s for x in r["generation_s_per_step"])
-    vanilla_step = statistics.median(r["total_s"] / r["steps"] for r in v)
-    spec_step = statistics.median(r["total_s"] / r["steps"] for r in s)
-    add_speedups([*v, *s])
-    return {
-        **info, "steps": v[0]["steps"], "repeats": len(v), "rows_per_round": v[0]["rows_per_round"],
-        "max_completion_length": v[0]["max_completion_length"],
-        "vanilla_generation_s": vanilla_gen, "spec_generation_s": spec_gen,
-        "generation_speedup": vanilla_gen / spec_gen,
-        "vanilla_step_s": vanilla_step, "spec_step_s": spec_step, "speedup": vanilla_step / spec_step,
-        "generation_share": vanilla_gen / vanilla_step,
-        "tau": statistics.mean(r["tau_mean"] for r in s),
-        "accept_per_head": [statistics.mean(a) for a in zip(*(r["accept_per_head"] for r in s))],
-        "reflex_gate": statistics.mean(r["reflex_gate"] for r in s),
-        "reflex_lookup_hit": statistics.mean(r["reflex_lookup_hit"] for r in s),
-        "reflex_overhead_share": statistics.mean(r["reflex_overhead_share"] for r in s),
-        "consolidations": sum(r["consolidations"] for r in s),
-        "vanilla_reward_per_step": _per_step_median(v, "reward_per_step"),
-        "spec_reward_per_step": _per_step_median(s, "reward_per_step"),
-        "vanilla_reward_mean": statistics.mean(x for r in v for x in r["reward_per_step"]),
-        "spec_reward_mean": statistics.mean(x for r in s for x in r["reward_per_step"]),
-    }
+    vanilla = _variant(runs["vanilla"], {})
+    variants = {name: _variant(records, vanilla) for name, records in runs.items() if name != "vanilla"}
+    first = runs["vanilla"][0]
+    summary = {**info, "steps": first["steps"], "repeats": len(runs["vanilla"]),
+               "rows_per_round": first["rows_per_round"], "max_completion_length": first["max_completion_length"],
+               "generation_share": vanilla["generation_s"] / vanilla["step_s"], "vanilla": vanilla, **variants}
+    # flat keys for the full product (Reflex + slow path), as the CLI table and scripts read them
+    full = variants["spec"]
+    summary.update({f"spec_{k}" if k in ("generation_s", "ms_per_token", "step_s", "reward_per_step", "reward_mean")
+                    else k: v for k, v in full.items()})
+    summary.update({f"vanilla_{k}": vanilla[k] for k in ("generation_s", "ms_per_token", "step_s",
+                                                          "reward_per_step", "reward_mean")})
+    return summary
 
 
 def format_summary(summary: dict) -> str:
-    acc = " / ".join(f"{100 * a:.0f}%" for a in summary["accept_per_head"])
-    lines = [
-        f"{'':<28}{'vanilla GRPO':>14}{'SpecGRPO':>12}{'speedup':>10}",
-        f"{'generation s / step':<28}{summary['vanilla_generation_s']:>14.3f}{summary['spec_generation_s']:>12.3f}"
-        f"{summary['generation_speedup']:>9.2f}x",
-        f"{'whole step s':<28}{summary['vanilla_step_s']:>14.3f}{summary['spec_step_s']:>12.3f}"
-        f"{summary['speedup']:>9.2f}x",
-        f"{'mean reward':<28}{summary['vanilla_reward_mean']:>14.3f}{summary['spec_reward_mean']:>12.3f}",
-        "",
-        f"tau {summary['tau']:.2f} tokens per forward per row; acceptance per head {acc}",
-        f"Reflex: gate {summary['reflex_gate']:.3f}, lookup hit {summary['reflex_lookup_hit']:.2f}, "
-        f"{100 * summary['reflex_overhead_share']:.1f}% of generation time; consolidations {summary['consolidations']}",
+    names = [n for n in RUNS if n != "vanilla"]
+    head = f"{'':<24}{'vanilla GRPO':>14}" + "".join(f"{RUNS[n][0].replace('SpecGRPOTrainer', 'Spec'):>36}"
+                                                       for n in names)
+    lines = [head]
+    for key, label, fmt in (("generation_s", "generation s / step", ".3f"), ("ms_per_token", "generation ms / token",
+                                                                               ".3f"),
+                            ("step_s", "whole step s", ".3f"), ("reward_mean", "mean reward", ".3f")):
+        speed = {"generation_s": "generation_speedup", "ms_per_token": "per_token_generation_speedup",
+                 "step_s": "speedup"}.get(key)
+        cells = "".join(f"{summary[n][key]:>28{fmt}}" + (f" ({summary[n][speed]:.2f}x)" if speed else " " * 8)
+                        for n in names)
+        lines.append(f"{label:<24}{summary['vanilla'][key]:>14{fmt}}{cells}")
+    for n in names:
+        v = summary[n]
+        acc = " / ".join(f"{100 * a:.0f}%" for a in v["accept_per_head"])
+        lines.append(f"{RUNS[n][0]}: tau {v['tau']:.2f}, acceptance per head {acc}")
+    full = summary["spec"]
+    lines += [
+        f"Reflex: gate {full['reflex_gate']:.3f}, lookup hit {full['reflex_lookup_hit']:.2f}, "
+        f"{100 * full['reflex_overhead_share']:.1f}% of generation time; consolidations {full['consolidations']}",
         f"vanilla generation share of a step {100 * summary['generation_share']:.0f}%",
         "",
-        f"{'step':>4} {'reward vanilla':>15} {'reward spec':>12}",
+        f"{'step':>4} {'reward vanilla':>15}" + "".join(f" {'reward ' + n:>18}" for n in names),
     ]
-    for i, (a, b) in enumerate(zip(summary["vanilla_reward_per_step"], summary["spec_reward_per_step"]), 1):
-        lines.append(f"{i:>4} {a:>15.3f} {b:>12.3f}")
+    for i, a in enumerate(summary["vanilla"]["reward_per_step"]):
+        lines.append(f"{i + 1:>4} {a:>15.3f}" + "".join(f" {summary[n]['reward_per_step'][i]:>18.3f}" for n in names))
     return "\n".join(lines)
 
 
@@ -111,21 +132,22 @@ def plot_demo(runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    colors = {"vanilla": "black", "spec": "tab:blue"}
+    colors = {"vanilla": "black", "spec_static": "tab:green", "spec": "tab:blue"}
     for name, records in runs.items():
         steps = range(1, records[0]["steps"] + 1)
-        label = "GRPOTrainer" if name == "vanilla" else "SpecGRPOTrainer"
+        label = RUNS[name][0]
         axes[0].plot(steps, _per_step_median(records, "generation_s_per_step"), marker="o", color=colors[name],
                      label=label)
         axes[2].plot(steps, _per_step_median(records, "reward_per_step"), marker="o", color=colors[name],
                      label=label)
-        if name == "spec":
-            axes[1].plot(steps, _per_step_median(records, "tau_per_round"), marker="o", color=colors[name])
+        if name != "vanilla":
+            axes[1].plot(steps, _per_step_median(records, "tau_per_round"), marker="o", color=colors[name],
+                         label=label)
     axes[0].set(xlabel="GRPO step", ylabel="generation seconds (median over runs)", title="Rollout time")
     axes[1].set(xlabel="GRPO step", ylabel="tau", title="Tokens per target forward per row")
     axes[2].set(xlabel="GRPO step", ylabel="mean reward", title="Reward: same distribution, same learning")
-    axes[0].legend()
-    axes[2].legend()
+    for ax in axes:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

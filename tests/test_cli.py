@@ -24,12 +24,15 @@ def test_demo_cli_on_nano_runs_grpo_and_specgrpo_side_by_side(nano, tmp_path, ca
                  "--prompts-per-step", "1", "--max-completion-length", "32", "--out", str(out), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "entropy" in printed and "correct" in printed and "top-1" in printed
-    assert "generation s / step" in printed and "speedup" in printed and "reward vanilla" in printed
+    assert "generation s / step" in printed and "whole step s" in printed and "reward vanilla" in printed
     data = json.loads((out / "demo.json").read_text())
     summary, runs = data["summary"], data["runs"]
-    assert len(runs["vanilla"]) == len(runs["spec"]) == 1
+    assert len(runs["vanilla"]) == len(runs["spec_static"]) == len(runs["spec"]) == 1
+    assert summary["spec_static"]["consolidations"] == 0 and summary["spec_static"]["reflex_overhead_share"] == 0
+    assert summary["spec"]["reflex_overhead_share"] > 0
     assert summary["steps"] == 2 and len(summary["spec_reward_per_step"]) == 2
     assert summary["tau"] > 1.0 and summary["generation_speedup"] > 0 and summary["speedup"] > 0
+    assert summary["per_token_generation_speedup"] > 0 and "generation ms / token" in printed
     assert runs["vanilla"][0]["tau_per_round"] == [1.0, 1.0]  # TRL's own generate, not the engine
     assert (out / "demo.png").stat().st_size > 10_000
 

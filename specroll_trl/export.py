@@ -22,7 +22,6 @@ places block ``i``'s argmax at draft position ``i``, i.e. as ``x_{t+2+i}``: our 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -32,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .heads import CONFIG_NAME, WEIGHTS_NAME, SpeculativeHeads, lm_head_of
+from .heads import CONFIG_NAME, WEIGHTS_NAME, SpeculativeHeads, is_peft_wrapped, lm_head_of, merged_copy
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
@@ -118,18 +117,16 @@ def _load_heads(heads) -> nn.Module:
 
 def _merged_heads(heads: nn.Module, adapter) -> SpeculativeHeads:
     """Plain :class:`SpeculativeHeads` on CPU with any LoRA merged in (a copy; the caller's object is untouched)."""
-    heads = copy.deepcopy(heads).cpu()
+    if adapter is not None and is_peft_wrapped(heads):
+        raise ValueError("an adapter folder can only be merged onto plain SpeculativeHeads, not onto an already "
+                         f"wrapped {type(heads).__name__}")
+    heads = merged_copy(heads).cpu()
     if adapter is not None:
         from peft import PeftModel
 
         if not (Path(adapter) / ADAPTER_CONFIG_NAME).is_file():
             raise FileNotFoundError(f"adapter folder {str(adapter)!r} has no {ADAPTER_CONFIG_NAME}")
-        if not isinstance(heads, SpeculativeHeads):
-            raise ValueError("an adapter folder can only be merged onto plain SpeculativeHeads, not onto an already "
-                             f"wrapped {type(heads).__name__}")
-        heads = PeftModel.from_pretrained(heads, str(adapter))
-    if hasattr(heads, "merge_and_unload"):  # a PeftModel
-        heads = heads.merge_and_unload()
+        heads = PeftModel.from_pretrained(heads, str(adapter)).merge_and_unload()
     if not isinstance(heads, SpeculativeHeads):
         raise TypeError(f"expected SpeculativeHeads (optionally PEFT-wrapped), got {type(heads).__name__}")
     return heads

@@ -186,15 +186,21 @@ def is_peft_wrapped(heads: nn.Module) -> bool:
     return hasattr(heads, "peft_config") and hasattr(heads, "merge_and_unload")
 
 
+def merged_copy(heads: nn.Module) -> nn.Module:
+    """A copy of ``heads`` with any PEFT LoRA adapters merged in (the caller's object is untouched)."""
+    import copy
+
+    heads = copy.deepcopy(heads)
+    return heads.merge_and_unload() if is_peft_wrapped(heads) else heads
+
+
 def save_heads(heads: nn.Module, directory: str | os.PathLike) -> None:
     """Save plain heads with ``save_pretrained``. PEFT-wrapped heads: the merged heads (loadable by
     ``SpeculativeHeads.from_pretrained`` and ``export-vllm``) plus the adapter alone in ``adapter/``."""
     if not is_peft_wrapped(heads):
         heads.save_pretrained(directory)
         return
-    import copy
-
-    copy.deepcopy(heads).merge_and_unload().save_pretrained(directory)
+    merged_copy(heads).save_pretrained(directory)
     heads.save_pretrained(str(Path(directory) / ADAPTER_SUBDIR))
 
 

@@ -271,7 +271,7 @@ class Reflex(StepHook):
             return self._lookup_own(rows)
         known = self.known[rows]
         last = (known - 1).clamp(min=0)  # the root's position
-        src = self.siblings[rows] if c.lookup_group else rows[:, None]  # [B, S] source rows, own row first
+        src = self.siblings[rows]  # [B, S] source rows, own row first
         hist = self.history[src]  # [B, S, W]
         width = hist.shape[-1]
         own = src == rows[:, None]

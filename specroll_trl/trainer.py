@@ -357,6 +357,8 @@ class SpecGRPOTrainer(GRPOTrainer):
                 ref = next(self.spec_heads.parameters())
                 self.spec_heads = loaded.to(device=ref.device, dtype=ref.dtype)
                 self._spec_engine = None
+                if self.spec_consolidation is not None:
+                    self.spec_consolidation.bind(self)  # its monitor and buffer are sized by the heads
         state = os.path.join(folder, CONSOLIDATION_STATE)
         if self.spec_consolidation is not None and os.path.isfile(state):
             with open(state) as f:

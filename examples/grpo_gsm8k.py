@@ -10,9 +10,10 @@ import argparse
 
 from trl import GRPOTrainer
 
-from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, zoo
-from specroll_trl.data import load_gsm8k, make_arithmetic_task
-from specroll_trl.rewards import REWARD_FUNCS
+from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer
+from specroll_trl.experiments import zoo
+from specroll_trl.experiments.tasks import load_gsm8k, make_arithmetic_task
+from specroll_trl.experiments.rewards import REWARD_FUNCS
 
 
 def main():

@@ -11,8 +11,9 @@ import argparse
 import json
 from pathlib import Path
 
-from specroll_trl import HeadDistillConfig, SpeculativeHeads, distill_heads, zoo
-from specroll_trl.distill import format_hit_table
+from specroll_trl import HeadDistillConfig, SpeculativeHeads, distill_heads
+from specroll_trl.experiments import zoo
+from specroll_trl.adapt.distill import format_hit_table
 
 
 def main():

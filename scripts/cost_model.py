@@ -36,8 +36,9 @@ MEASURED = ROOT / "benchmarks" / "cost_model_measured.json"
 
 @torch.no_grad()
 def measure(model_name: str, batch: int, nodes: list[int], max_new_tokens: int, repeats: int) -> dict:
-    from specroll_trl import SpeculativeGenerator, zoo
-    from specroll_trl.bench import _left_pad, trl_generation_config
+    from specroll_trl import SpeculativeGenerator
+    from specroll_trl.experiments import zoo
+    from specroll_trl.experiments.bench import _left_pad, trl_generation_config
 
     model, tokenizer = zoo.load_policy(model_name, progress=False)
     heads = zoo.load_heads(model_name, progress=False)

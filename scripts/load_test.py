@@ -45,8 +45,8 @@ def run_child(args) -> dict:
     import torch
     from transformers import GenerationConfig
 
-    from specroll_trl import zoo
-    from specroll_trl.engine import SpeculativeGenerator
+    from specroll_trl.experiments import zoo
+    from specroll_trl.engine.generator import SpeculativeGenerator
 
     model, tokenizer = zoo.load_policy(args.preset, progress=False)
     prompts = zoo.task_prompt_ids(tokenizer, "arithmetic", args.batch, seed=args.seed)

@@ -37,8 +37,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "reproduce"))
     args = parser.parse_args()
 
-    from specroll_trl.ablation import bench_ablation, plot_ablation
-    from specroll_trl.bench import bench_e2e, bench_generation
+    from specroll_trl.experiments.ablation import bench_ablation, plot_ablation
+    from specroll_trl.experiments.bench import bench_e2e, bench_generation
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,24 +1,50 @@
-"""specroll-trl: exact batched speculative rollouts for TRL's GRPOTrainer."""
+"""specroll-trl: exact batched speculative rollouts for TRL's GRPOTrainer.
 
-from . import zoo
-from .buffer import BufferCapture, HeadBuffer
-from .consolidation import ConsolidationCallback, ConsolidationConfig, consolidate_heads
-from .distill import HeadDistillConfig, distill_heads
-from .drift import DriftMonitor
-from .engine import GenerationOutput, SpeculativeConfig, SpeculativeGenerator, profile_capacity
-from .heads import SpeculativeHeads, SpeculativeHeadsConfig
-from .trainer import SpecGRPOConfig, SpecGRPOTrainer
+Layers, each importing only those below it: ``engine`` (the speculative generator; no TRL), ``adapt`` (Reflex,
+capture, drift, consolidation, distillation), ``trainer`` (``SpecGRPOConfig``/``SpecGRPOTrainer``, imported lazily
+so that the engine works without TRL), and the lab in ``experiments`` and ``cli``.
+"""
+
+from importlib import import_module
+
+from .adapt import (
+    BufferCapture,
+    ConsolidationCallback,
+    ConsolidationConfig,
+    DriftMonitor,
+    HeadBuffer,
+    HeadDistillConfig,
+    consolidate_heads,
+    distill_heads,
+)
+from .engine import (
+    GenerationOutput,
+    SpeculativeConfig,
+    SpeculativeGenerator,
+    SpeculativeHeads,
+    SpeculativeHeadsConfig,
+    StepHook,
+    profile_capacity,
+)
 
 __version__ = "0.1.0"
+
+_LAZY = {"SpecGRPOConfig": "trainer", "SpecGRPOTrainer": "trainer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:  # the trainer needs TRL; import it only when asked for
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BufferCapture",
     "ConsolidationCallback",
     "ConsolidationConfig",
     "DriftMonitor",
-    "HeadBuffer",
-    "consolidate_heads",
     "GenerationOutput",
+    "HeadBuffer",
     "HeadDistillConfig",
     "SpecGRPOConfig",
     "SpecGRPOTrainer",
@@ -26,7 +52,8 @@ __all__ = [
     "SpeculativeGenerator",
     "SpeculativeHeads",
     "SpeculativeHeadsConfig",
+    "StepHook",
+    "consolidate_heads",
     "distill_heads",
     "profile_capacity",
-    "zoo",
 ]

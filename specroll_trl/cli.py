@@ -10,9 +10,9 @@ from pathlib import Path
 
 
 def _demo(args) -> int:
-    from . import zoo
-    from .demo import format_summary, run_demo
-    from .distill import format_hit_table
+    from .experiments import zoo
+    from .experiments.demo import format_summary, run_demo
+    from .adapt.distill import format_hit_table
 
     start = time.time()
     print(f"[1/4] policy '{args.model}' (built once, then cached under {zoo.zoo_home()})", flush=True)
@@ -46,8 +46,8 @@ def _demo(args) -> int:
 
 
 def _train_heads(args) -> int:
-    from . import zoo
-    from .distill import HeadDistillConfig, distill_heads, format_hit_table
+    from .experiments import zoo
+    from .adapt.distill import HeadDistillConfig, distill_heads, format_hit_table
 
     model, tokenizer = zoo.load_policy(args.model)
     config = HeadDistillConfig(
@@ -66,7 +66,7 @@ def _train_heads(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import bench_e2e, bench_generation, bench_reflex, format_table, write_results
+    from .experiments.bench import bench_e2e, bench_generation, bench_reflex, format_table, write_results
 
     if args.what == "ablation":
         from .ablation import bench_ablation, format_ablation, plot_ablation
@@ -87,7 +87,7 @@ def _bench(args) -> int:
         return 0
 
     if args.what == "reflex":
-        from .reflex import ReflexConfig
+        from .adapt.reflex import ReflexConfig
 
         variants = {name: ReflexConfig.preset(name) for name in args.variants} if args.variants else None
         if args.quick:
@@ -128,7 +128,7 @@ def _bench(args) -> int:
 
 
 def _export_vllm(args) -> int:
-    from . import zoo
+    from .experiments import zoo
     from .export import export_vllm
 
     model = zoo.resolve_policy(args.model) if args.model in zoo.PRESETS else args.model

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .heads import CONFIG_NAME, WEIGHTS_NAME, SpeculativeHeads, is_peft_wrapped, lm_head_of, merged_copy
+from .engine.heads import CONFIG_NAME, WEIGHTS_NAME, SpeculativeHeads, is_peft_wrapped, lm_head_of, merged_copy
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 

@@ -23,9 +23,9 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from .consolidation import ConsolidationCallback, ConsolidationConfig
+from .adapt.consolidation import ConsolidationCallback, ConsolidationConfig
 from .engine import SpeculativeGenerator
-from .heads import (
+from .engine.heads import (
     SpeculativeHeads,
     apply_adapter_state,
     check_heads_folder,
@@ -33,7 +33,7 @@ from .heads import (
     read_adapter_state,
     save_heads,
 )
-from .reflex import Reflex, ReflexConfig
+from .adapt.reflex import Reflex, ReflexConfig
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class SpecGRPOTrainer(GRPOTrainer):
         return self._distill_initial_heads(heads)
 
     def _distill_initial_heads(self, heads: SpeculativeHeads) -> SpeculativeHeads:
-        from .distill import HeadDistillConfig, distill_heads
+        from .adapt.distill import HeadDistillConfig, distill_heads
 
         prompts = []
         tokenizer = self.processing_class

@@ -46,7 +46,7 @@ def specroll_home(tmp_path_factory):
 @pytest.fixture(scope="session")
 def nano(specroll_home):
     """``(model, tokenizer, heads)`` of the nano zoo policy with distilled heads."""
-    from specroll_trl import zoo
+    from specroll_trl.experiments import zoo
 
     model, tokenizer = zoo.load_policy("nano", progress=False)
     heads = zoo.load_heads("nano", progress=False)

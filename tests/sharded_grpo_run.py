@@ -13,9 +13,11 @@ import sys
 
 import torch
 
-from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, engine, zoo
-from specroll_trl.data import make_arithmetic_task
-from specroll_trl.rewards import REWARD_FUNCS
+from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer
+from specroll_trl.experiments import zoo
+from specroll_trl.engine import generator as engine
+from specroll_trl.experiments.tasks import make_arithmetic_task
+from specroll_trl.experiments.rewards import REWARD_FUNCS
 
 
 def main():

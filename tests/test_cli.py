@@ -3,7 +3,7 @@
 import json
 
 from specroll_trl.cli import main
-from specroll_trl.heads import SpeculativeHeads
+from specroll_trl.engine.heads import SpeculativeHeads
 
 
 def test_train_heads_cli_writes_heads_and_prints_hit_table(nano, tmp_path, capsys):
@@ -38,7 +38,7 @@ def test_demo_cli_on_nano_runs_grpo_and_specgrpo_side_by_side(nano, tmp_path, ca
 
 
 def test_bench_ablation_quick_writes_the_five_variants(nano, tmp_path):
-    from specroll_trl.ablation import bench_ablation
+    from specroll_trl.experiments.ablation import bench_ablation
 
     records = bench_ablation("nano", steps=2, max_completion_length=32, output_dir=str(tmp_path), progress=False,
                              consolidation={"spec_consolidation_min_buffer": 16, "spec_consolidation_steps": 3,

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from specroll_trl.data import (
+from specroll_trl.experiments.tasks import (
     PROMPT_TEMPLATE,
     arithmetic_examples,
     extract_final_answer,
@@ -11,7 +11,7 @@ from specroll_trl.data import (
     load_gsm8k,
     make_arithmetic_task,
 )
-from specroll_trl.rewards import (
+from specroll_trl.experiments.rewards import (
     REWARD_FUNCS,
     ExpressionError,
     calculator_reward,

@@ -8,12 +8,14 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache, GenerationConfig
 
-from specroll_trl import engine as engine_mod
-from specroll_trl.engine import SpeculativeGenerator, check_model_supported
-from specroll_trl.heads import SpeculativeHeads
-from specroll_trl.kvcache import RaggedCache
-from specroll_trl.tree import PathTable, node_budget, select_tree
-from specroll_trl.zoo import task_prompt_ids
+from specroll_trl.engine import generator as engine_mod
+from specroll_trl.engine.compat import check_model_supported
+from specroll_trl.engine.generator import SpeculativeGenerator
+from specroll_trl.engine.heads import SpeculativeHeads
+from specroll_trl.engine.kvcache import RaggedCache
+from specroll_trl.engine.capacity import node_budget
+from specroll_trl.engine.tree import PathTable, select_tree
+from specroll_trl.experiments.zoo import task_prompt_ids
 
 from .conftest import cut_after_eos, left_padded, make_model
 

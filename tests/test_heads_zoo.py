@@ -9,9 +9,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specroll_trl import zoo
-from specroll_trl.distill import HeadDistillConfig, build_stream, head_hit_rates, train_heads_on_stream
-from specroll_trl.heads import SpeculativeHeads
+from specroll_trl.experiments import zoo
+from specroll_trl.adapt.distill import HeadDistillConfig, build_stream, head_hit_rates, train_heads_on_stream
+from specroll_trl.engine.heads import SpeculativeHeads
 
 from .conftest import make_model
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from specroll_trl.engine import SpeculativeGenerator
-from specroll_trl.hooks import StepFeedback
-from specroll_trl.reflex import Reflex, ReflexConfig
-from specroll_trl.tree import DraftTree
+from specroll_trl.engine.generator import SpeculativeGenerator
+from specroll_trl.engine.hooks import StepFeedback
+from specroll_trl.adapt.reflex import Reflex, ReflexConfig
+from specroll_trl.engine.tree import DraftTree
 
 from .conftest import left_padded, make_model
 from .test_engine import PROMPTS, chi_square_pvalue, engine_samples, exact_completion_distribution, noisy_heads

@@ -22,10 +22,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig, TrainerCallback
 
-from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads, zoo
-from specroll_trl.data import make_arithmetic_task
-from specroll_trl.engine import SpeculativeConfig, SpeculativeGenerator, check_model_supported
-from specroll_trl.rewards import REWARD_FUNCS
+from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads
+from specroll_trl.experiments import zoo
+from specroll_trl.experiments.tasks import make_arithmetic_task
+from specroll_trl.engine.compat import check_model_supported
+from specroll_trl.engine.generator import SpeculativeConfig, SpeculativeGenerator
+from specroll_trl.experiments.rewards import REWARD_FUNCS
 
 from .conftest import cut_after_eos, left_padded, make_model
 from .test_engine import noisy_heads

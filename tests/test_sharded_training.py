@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 from transformers import GenerationConfig
 
 from specroll_trl import SpeculativeHeads
-from specroll_trl.engine import SpeculativeGenerator, should_sync
-from specroll_trl.heads import lm_head_shape
+from specroll_trl.engine.generator import SpeculativeGenerator, should_sync  # patched by the sharded test
+from specroll_trl.engine.heads import lm_head_shape
 
 from .conftest import left_padded, make_model
 

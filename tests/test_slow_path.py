@@ -18,9 +18,9 @@ from specroll_trl import (
     SpeculativeHeads,
     zoo,
 )
-from specroll_trl.bench import perturbed_policy
-from specroll_trl.buffer import BufferCapture, HeadBuffer
-from specroll_trl.consolidation import ConsolidationConfig, consolidate_heads
+from specroll_trl.experiments.bench import perturbed_policy
+from specroll_trl.adapt.buffer import BufferCapture, HeadBuffer
+from specroll_trl.adapt.consolidation import ConsolidationConfig, consolidate_heads
 
 from .conftest import left_padded, make_model
 from .test_engine import nano_sampling_inputs, noisy_heads

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import GenerationConfig
 
-from specroll_trl.engine import SpeculativeGenerator
-from specroll_trl.heads import SpeculativeHeads
+from specroll_trl.engine.generator import SpeculativeGenerator
+from specroll_trl.engine.heads import SpeculativeHeads
 
 from .conftest import left_padded, make_model
 

@@ -11,9 +11,10 @@ import torch
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
-from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads, zoo
-from specroll_trl.data import make_arithmetic_task
-from specroll_trl.rewards import REWARD_FUNCS
+from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads
+from specroll_trl.experiments import zoo
+from specroll_trl.experiments.tasks import make_arithmetic_task
+from specroll_trl.experiments.rewards import REWARD_FUNCS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,7 +202,7 @@ def test_tool_calling_loop_goes_through_the_engine_again(nano, tmp_path, monkeyp
     from transformers import AutoTokenizer
     from trl.chat_template_utils import qwen3_chat_template
 
-    from specroll_trl.engine import SpeculativeGenerator
+    from specroll_trl.engine.generator import SpeculativeGenerator
 
     folder = tmp_path / "nano_chat"
     shutil.copytree(zoo.policy_dir("nano"), folder)

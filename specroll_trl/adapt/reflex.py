@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.nn import functional as F
 
-from .hooks import StepFeedback, StepHook
+from ..engine.hooks import StepFeedback, StepHook
 
 STEPS = ("absolute", "relative")
 GATES = ("hidden", "vocab", "open")

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from .ablation import grpo_run
-from .data import task_dataset
+from .tasks import task_dataset
 
 RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOTrainer)
     "vanilla": ("GRPOTrainer", None),

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from .engine import SpeculativeGenerator, profile_capacity
+from ..engine import SpeculativeGenerator, profile_capacity
 from .zoo import DEFAULT_PRESET, PRESETS, load_heads, load_policy, task_prompt_ids
 
 
@@ -179,9 +179,9 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
     """GRPOTrainer vs SpecGRPOTrainer, same config and seed, alternating whole runs; one record."""
     from trl import GRPOTrainer
 
-    from .data import task_dataset
+    from .tasks import task_dataset
     from .rewards import REWARD_FUNCS
-    from .trainer import SpecGRPOConfig, SpecGRPOTrainer
+    from ..trainer import SpecGRPOConfig, SpecGRPOTrainer
     from .zoo import build_heads, resolve_policy
 
     model_path = str(resolve_policy(model_name, progress=progress))
@@ -227,7 +227,7 @@ def drifted_policy(model_name: str, grpo_steps: int, lr: float = 5e-5, progress:
     """The policy after ``grpo_steps`` of plain GRPO on its task (cached): its zoo heads are now stale."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from .data import make_arithmetic_task
+    from .tasks import make_arithmetic_task
     from .rewards import REWARD_FUNCS
     from .zoo import resolve_policy, zoo_home
 
@@ -275,7 +275,7 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
                        progress, variants=None, group=1):
     from transformers import AutoModelForCausalLM
 
-    from .reflex import Reflex, ReflexConfig
+    from ..adapt.reflex import Reflex, ReflexConfig
 
     variants = variants or {"reflex-baseline": ReflexConfig.preset("baseline"), "reflex": ReflexConfig()}
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .heads import SpeculativeHeads, lm_head_of
+from ..engine.heads import SpeculativeHeads, lm_head_of
 
 
 @dataclass

@@ -19,18 +19,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+from .capacity import node_budget, profile_capacity
+from .compat import any_rank_active, check_model_supported, should_sync
 from .heads import SpeculativeHeads, lm_head_of, lm_head_shape
 from .hooks import StepFeedback, StepHook
 from .kvcache import RaggedCache
-from .tree import PathTable, node_budget, select_tree
+from .tree import PathTable, select_tree
 from .verify import TargetDistribution, expected_accepted, match_tree
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ATTENTION = ("eager", "sdpa")
-# Layer kinds whose cache cannot hold a ragged tree (windowed, chunked or recurrent state); MLP/MoE kinds are fine.
-UNSUPPORTED_LAYER_KINDS = ("sliding", "chunk", "linear", "mamba", "recurrent", "ssm", "conv")
-
 
 @dataclass
 class SpeculativeConfig:
@@ -87,83 +84,6 @@ class GenerationOutput:
     completion_ids: list[list[int]]
     logprobs: list[list[float]] | None
     stats: dict = field(default_factory=dict)
-
-
-def check_model_supported(model) -> None:
-    """Raise ``ValueError`` if the model cannot run tree verification with a 4D mask over a DynamicCache."""
-    config = model.config
-    attn = getattr(config, "_attn_implementation", None) or "eager"
-    if attn not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"attention implementation {attn!r} cannot take the 4D tree mask; load the model with "
-            f"attn_implementation in {SUPPORTED_ATTENTION}"
-        )
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("encoder-decoder models are not supported by the speculative engine")
-    layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if any(k in str(t) for k in UNSUPPORTED_LAYER_KINDS)})
-    if odd:
-        raise ValueError(f"layer types {odd} (sliding-window or recurrent) are not supported; need full attention")
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ValueError("sliding-window attention is not supported by the speculative engine")
-
-
-@torch.no_grad()
-def profile_capacity(model, batch_size: int = 8, context: int = 128, eps: float = 0.3, max_tokens: int = 64,
-                     repeats: int = 7) -> int:
-    """``C_hw``: the largest total query-token count per forward whose latency stays within ``1 + eps`` of a
-    one-token-per-row forward (``batch_size`` rows, ``context`` cached tokens)."""
-    device = next(model.parameters()).device
-    vocab = lm_head_shape(lm_head_of(model))[0]
-    prompt = torch.randint(0, vocab, (batch_size, context), device=device)
-
-    def latency(k: int) -> float:
-        times = []
-        for _ in range(repeats):
-            cache = DynamicCache(config=model.config)
-            model(input_ids=prompt, cache=cache, use_cache=True)
-            ids = torch.randint(0, vocab, (batch_size, k), device=device)
-            pos = torch.arange(context, context + k, device=device).expand(batch_size, -1)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return min(times)  # the least disturbed run: other load on the machine only ever adds time
-
-    # Every k is measured (no early exit) so all ranks run the same number of forwards.
-    sizes = [2**i for i in range(max_tokens.bit_length()) if 2**i <= max_tokens]
-    latency(1)  # warm-up
-    times = {k: latency(k) for k in sizes}
-    best = 1
-    for k in sizes[1:]:  # the largest width whose every smaller width also stays cheap (noise can't skip ahead)
-        if times[k] > (1 + eps) * times[1]:
-            break
-        best = k
-    return best * batch_size
-
-
-def should_sync(model, requested: bool | None) -> bool:
-    """Whether ranks must stay in lockstep (sharded parameters gathered inside every forward)."""
-    if requested is not None:
-        return requested
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False
-    if torch.distributed.get_world_size() < 2:
-        return False
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    from transformers.integrations.fsdp import is_fsdp_managed_module
-
-    return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)
-
-
-def any_rank_active(local_active: bool, device) -> bool:
-    """All-reduce (max) of "this rank still has rows", so finished ranks keep stepping with the others."""
-    flag = torch.tensor([1.0 if local_active else 0.0], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
 
 
 class SpeculativeGenerator:

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from .bench import _timed
-from .data import task_dataset
+from .tasks import task_dataset
 from .zoo import DEFAULT_PRESET, PRESETS
 
 VARIANTS = {
@@ -39,7 +39,7 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
     from trl import GRPOTrainer
 
     from .rewards import REWARD_FUNCS
-    from .trainer import SpecGRPOConfig, SpecGRPOTrainer
+    from ..trainer import SpecGRPOConfig, SpecGRPOTrainer
 
     args = SpecGRPOConfig(
         output_dir=f"{output_dir}/{variant}", max_steps=steps, num_generations=num_generations,

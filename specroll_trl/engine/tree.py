@@ -15,13 +15,6 @@ from dataclasses import dataclass
 import torch
 
 
-def node_budget(capacity: int, active_rows: int, max_nodes: int) -> int:
-    """``N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)``: draft nodes per row besides the root."""
-    if active_rows <= 0:
-        return 0
-    return max(0, min(capacity // active_rows - 1, max_nodes))
-
-
 @dataclass
 class PathTable:
     """All candidate paths of a ``depth x topk`` tree, parents before children.

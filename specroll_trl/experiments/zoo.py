@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import arithmetic_examples, format_prompt, gsm8k_examples
+from .tasks import arithmetic_examples, format_prompt, gsm8k_examples
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -296,7 +296,7 @@ def heads_dir(preset: str) -> Path:
 
 def preset_distill_config(preset: str):
     """Head self-distillation settings for a zoo preset (smaller for ``nano`` so tests stay quick)."""
-    from .distill import HeadDistillConfig
+    from ..adapt.distill import HeadDistillConfig
 
     if preset == "nano":
         return HeadDistillConfig(num_samples=320, max_new_tokens=128, steps=300, batch_size=512)
@@ -311,7 +311,7 @@ def task_prompt_ids(tokenizer, task: str, n: int, seed: int) -> list[list[int]]:
 
 def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
     """Distil (once) and cache speculative heads for a zoo preset; returns their folder."""
-    from .distill import distill_heads
+    from ..adapt.distill import distill_heads
 
     out = heads_dir(preset)
     if (out / "distill_report.json").is_file() and not force:
@@ -333,6 +333,6 @@ def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: boo
 
 def load_heads(preset: str = DEFAULT_PRESET, progress: bool = True):
     """Cached distilled heads of a zoo preset (built on first use)."""
-    from .heads import SpeculativeHeads
+    from ..engine.heads import SpeculativeHeads
 
     return SpeculativeHeads.from_pretrained(build_heads(preset, progress=progress))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from specroll_trl.data import extract_final_answer
+from .tasks import extract_final_answer
 
 __all__ = [
     "REWARD_FUNCS",

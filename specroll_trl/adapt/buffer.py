@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .hooks import StepFeedback, StepHook
+from ..engine.hooks import StepFeedback, StepHook
 
 
 class HeadBuffer:

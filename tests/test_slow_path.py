@@ -16,8 +16,8 @@ from specroll_trl import (
     SpecGRPOTrainer,
     SpeculativeGenerator,
     SpeculativeHeads,
-    zoo,
 )
+from specroll_trl.experiments import zoo
 from specroll_trl.experiments.bench import perturbed_policy
 from specroll_trl.adapt.buffer import BufferCapture, HeadBuffer
 from specroll_trl.adapt.consolidation import ConsolidationConfig, consolidate_heads

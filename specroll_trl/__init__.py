@@ -19,6 +19,7 @@ from .adapt import (
 )
 from .engine import (
     GenerationOutput,
+    GenerationStats,
     SpeculativeConfig,
     SpeculativeGenerator,
     SpeculativeHeads,
@@ -44,6 +45,7 @@ __all__ = [
     "ConsolidationConfig",
     "DriftMonitor",
     "GenerationOutput",
+    "GenerationStats",
     "HeadBuffer",
     "HeadDistillConfig",
     "SpecGRPOConfig",

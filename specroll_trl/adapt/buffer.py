@@ -11,11 +11,9 @@ drift monitor's second signal. Everything is detached; nothing here needs gradie
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from ..engine.hooks import StepFeedback, StepHook
+from ..engine.hooks import GenerationContext, StepFeedback, StepHook
 
 
 class HeadBuffer:
@@ -78,15 +76,16 @@ class BufferCapture(StepHook):
         self.regret_sum = torch.zeros(buffer.num_heads, dtype=torch.float64)
         self.regret_count = torch.zeros(buffer.num_heads, dtype=torch.float64)
 
-    def start(self, batch_size, num_heads, hidden_size, lm_head):
-        if num_heads != self.buffer.num_heads:
-            raise ValueError(f"buffer holds {self.buffer.num_heads} heads, the engine runs {num_heads}")
-        self._batch = batch_size
+    name = "capture"
+
+    def start(self, context: GenerationContext):
+        if context.num_heads != self.buffer.num_heads:
+            raise ValueError(f"buffer holds {self.buffer.num_heads} heads, the engine runs {context.num_heads}")
+        self._batch = context.batch_size
         self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, root_index, hidden)
         self._ids = self._probs = self._tokens = None
         self.regret_sum.zero_()
         self.regret_count.zero_()
-        self.seconds = 0.0
 
     def _grow(self, length: int, device) -> None:
         k = self.buffer.topk
@@ -103,11 +102,6 @@ class BufferCapture(StepHook):
 
     @torch.no_grad()
     def feedback(self, step: StepFeedback):
-        start = time.perf_counter()
-        self._record(step)
-        self.seconds += time.perf_counter() - start
-
-    def _record(self, step: StepFeedback):
         rows, width = step.rows, step.accepted.shape[1]
         if step.hidden is not None:
             self._steps.append((rows, step.root_index, step.hidden.detach().float()))
@@ -133,11 +127,6 @@ class BufferCapture(StepHook):
 
     @torch.no_grad()
     def finish(self, lengths):
-        start = time.perf_counter()
-        self._pair(lengths)
-        self.seconds += time.perf_counter() - start
-
-    def _pair(self, lengths):
         if not self._steps or self._ids is None:
             return
         rows = torch.cat([s[0] for s in self._steps])
@@ -156,4 +145,4 @@ class BufferCapture(StepHook):
         return (self.regret_sum / self.regret_count).tolist()  # 0/0 -> NaN
 
     def metrics(self):
-        return {"candidate_regret": self.regret(), "capture_seconds": self.seconds}
+        return {"candidate_regret": self.regret()}

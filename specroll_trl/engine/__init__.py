@@ -4,12 +4,14 @@ It imports nothing from TRL, nor from the rest of this package: ``adapt`` and th
 """
 
 from .capacity import node_budget, profile_capacity
-from .generator import GenerationOutput, SpeculativeConfig, SpeculativeGenerator
+from .generator import GenerationOutput, GenerationStats, SpeculativeConfig, SpeculativeGenerator
 from .heads import SpeculativeHeads, SpeculativeHeadsConfig
-from .hooks import StepFeedback, StepHook
+from .hooks import GenerationContext, StepFeedback, StepHook
 
 __all__ = [
+    "GenerationContext",
     "GenerationOutput",
+    "GenerationStats",
     "SpeculativeConfig",
     "SpeculativeGenerator",
     "SpeculativeHeads",

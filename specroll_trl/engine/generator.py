@@ -1,12 +1,13 @@
-"""Batched, exact speculative generation on a plain Hugging Face causal LM (no TRL dependency).
+"""``SpeculativeGenerator``: batched, exact speculative generation on a plain Hugging Face causal LM.
 
-One decoding step, for all rows still generating:
-  1. heads propose from the hidden state that produced each row's root token;
-  2. ``select_tree`` keeps the best ``N_t`` draft nodes per row (``N_t`` shrinks as rows grow);
-  3. one target forward over root + tree with a 4D ancestor mask and logical positions;
-  4. every node's distribution goes through ``generate``'s own processors, one sample per node, and the
-     row follows its tree along those samples (``match_tree``);
-  5. accepted KV entries are kept, the rest become holes; finished rows leave the batch.
+One decoding step, for all rows still generating (``generate`` reads as these stages):
+  * draft: the heads propose from the hidden state that produced each row's root token, hooks may adjust the
+    proposals, and ``select_tree`` keeps the best ``N_t`` nodes per row (``N_t`` shrinks as rows grow);
+  * verify: one target forward over root + tree (4D ancestor mask, logical positions); every node's
+    distribution goes through ``generate``'s own logits processors and gets one sample;
+  * commit: each row follows its tree along those samples (``emit``); accepted KV entries are kept, the rest
+    become holes; hooks get the step's feedback;
+  * retire: finished rows leave the batch.
 """
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import DynamicCache, GenerationConfig
 
 from .capacity import node_budget, profile_capacity
 from .compat import any_rank_active, check_model_supported, should_sync
-from .heads import SpeculativeHeads, lm_head_of, lm_head_shape
-from .hooks import StepFeedback, StepHook
+from .heads import SpeculativeHeads, lm_head_of
+from .hooks import GenerationContext, StepFeedback, StepHook
 from .kvcache import RaggedCache
-from .tree import PathTable, select_tree
-from .verify import TargetDistribution, expected_accepted, match_tree
+from .tree import DraftTree, PathTable, select_tree
+from .verify import Emission, TargetDistribution, emit, expected_accepted
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class SpeculativeConfig:
@@ -78,12 +81,133 @@ class SpeculativeConfig:
 
 
 @dataclass
+class GenerationStats(Mapping):
+    """Counters of one ``generate`` call. Also a read-only mapping (``stats["tau"]``), where hook metrics and hook
+    times (``"<hook name>_seconds"``) appear beside the fields.
+
+    Attributes:
+        tau: committed tokens per target forward per row (root included), the mean accepted length.
+        forwards: target forwards (prefill included).
+        row_forwards: rows summed over forwards.
+        tokens: completion tokens committed.
+        seconds: wall time of the call.
+        accept_per_head: per depth ``d``, the share of drafted row-steps that accepted at least ``d`` nodes.
+        nodes_per_row: draft nodes per row, per step.
+        active_rows: rows generating, per step.
+        drafted_row_steps: row-steps that drafted at least one node.
+        accepted: draft nodes accepted (counted with ``track_expected_acceptance``).
+        expected_accepted: their expectation under the target (likewise).
+        sync_forwards: throwaway forwards that kept this rank in step with the others.
+        capacity: ``C_hw`` the node budget used.
+        fallback: the call went through ``model.generate`` (``reason`` says why).
+        hook_seconds: wall time spent in each hook, by hook name.
+        hook_metrics: what the hooks' ``metrics()`` returned.
+    """
+
+    tau: float = 1.0
+    forwards: int = 0
+    row_forwards: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    accept_per_head: list[float] = field(default_factory=list)
+    nodes_per_row: list[int] = field(default_factory=list)
+    active_rows: list[int] = field(default_factory=list)
+    drafted_row_steps: int = 0
+    accepted: int = 0
+    expected_accepted: float = 0.0
+    sync_forwards: int = 0
+    capacity: int | None = None
+    fallback: bool = False
+    reason: str | None = None
+    hook_seconds: dict[str, float] = field(default_factory=dict)
+    hook_metrics: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hook_seconds", "hook_metrics")}
+        flat.update({f"{name}_seconds": s for name, s in self.hook_seconds.items()}, **self.hook_metrics)
+        return flat
+
+    def __getitem__(self, key: str):
+        return self.as_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+
+@dataclass
 class GenerationOutput:
     """``completion_ids`` (each cut after its first eos), optional ``logprobs``, and ``stats``."""
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]] | None
-    stats: dict = field(default_factory=dict)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class TimedHooks:
+    """The engine's hooks, called in order, each one's time added to ``stats.hook_seconds[hook.name]``."""
+
+    def __init__(self, hooks: list[StepHook], stats: GenerationStats):
+        self.hooks, self.stats = hooks, stats
+
+    def _timed(self, hook: StepHook, method: str, *args):
+        start = time.perf_counter()
+        result = getattr(hook, method)(*args)
+        seconds = self.stats.hook_seconds
+        seconds[hook.name] = seconds.get(hook.name, 0.0) + time.perf_counter() - start
+        return result
+
+    def call(self, method: str, *args) -> None:
+        for hook in self.hooks:
+            self._timed(hook, method, *args)
+
+    def chain(self, method: str, rows: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Pass ``value`` through every hook's ``method(rows, value)``, like a logits-processor list."""
+        for hook in self.hooks:
+            value = self._timed(hook, method, rows, value)
+        return value
+
+
+@dataclass
+class DecodeState:
+    """One ``generate`` call in flight: per-call tensors over all ``B`` rows, and the rows still generating."""
+
+    prompt_ids: torch.Tensor  # [B, T]
+    pad_len: torch.Tensor  # [B] left padding of each prompt
+    target: TargetDistribution
+    eos: torch.Tensor  # eos ids
+    max_new: int
+    completion: torch.Tensor  # [B, max_new]
+    logprobs: torch.Tensor | None  # [B, max_new]
+    done_len: torch.Tensor  # [B] completion tokens committed (the root included)
+    accepted_at_depth: torch.Tensor  # [H] drafted row-steps that accepted at least d + 1 nodes
+    rows: torch.Tensor  # [B_t] the rows still generating
+    root: torch.Tensor  # [B_t] their roots: sampled, not yet in the cache
+    hidden: torch.Tensor  # [B_t, D] the final hidden state that produced each root
+    kv: RaggedCache
+    steps: int = 0
+
+
+@dataclass
+class Draft:
+    """One step's proposals: the trees, and what the heads proposed them from (``None`` when nothing was drafted)."""
+
+    tree: DraftTree
+    num_nodes: int
+    z: torch.Tensor | None
+    candidates: torch.Tensor | None
+
+
+@dataclass
+class Verification:
+    """The target's verdict on one step's trees."""
+
+    logits: torch.Tensor  # [B_t, n, V]
+    hidden: torch.Tensor  # [B_t, n, D]
+    sampled: torch.Tensor  # [B_t, n] one sample per node
+    probs: torch.Tensor  # [B_t, n, V] the distribution each sample came from
 
 
 class SpeculativeGenerator:
@@ -93,12 +217,12 @@ class SpeculativeGenerator:
 
     def __init__(self, model, heads: SpeculativeHeads, generation_config: GenerationConfig | None = None,
                  config: SpeculativeConfig | None = None, hooks: list[StepHook] | None = None, **options):
+        if config is not None and options:
+            raise ValueError("pass engine options either as `config` or as keyword arguments, not both")
         self.model = model
         self.heads = heads
         self.hooks = list(hooks or [])
         self.config = config or SpeculativeConfig(**options)
-        if config is not None and options:
-            raise ValueError("pass engine options either as `config` or as keyword arguments, not both")
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
         self.lm_head = lm_head_of(model)
         heads.check_compatible(model)
@@ -106,7 +230,6 @@ class SpeculativeGenerator:
             raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the model's vocab size "
                              f"({heads.config.vocab_size})")
         self.table = PathTable.build(heads.num_heads, self.config.topk_per_head)
-        self._table_device = None
         self.supported_error: str | None = None
         try:
             check_model_supported(model)
@@ -125,12 +248,6 @@ class SpeculativeGenerator:
             self._capacity_cache[key] = profile_capacity(self.model, eps=self.config.capacity_eps)
             logger.info("profiled C_hw = %d query tokens per forward", self._capacity_cache[key])
         return self._capacity_cache[key]
-
-    def _eos_ids(self, gen: GenerationConfig) -> list[int]:
-        eos = gen.eos_token_id
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
     def _validate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -172,168 +289,166 @@ class SpeculativeGenerator:
         if self.supported_error is not None:
             return self._fallback(input_ids, attention_mask, gen, max_new, start)
         gen.max_new_tokens = max_new
-        device = input_ids.device
-        batch = input_ids.shape[0]
+        stats = GenerationStats(capacity=self.capacity)  # resolved (maybe profiled) before any rank can finish
+        state = self._prefill(input_ids, attention_mask, gen, stats)
+        hooks = TimedHooks(self.hooks, stats)
+        hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head))
+        synced = should_sync(self.model, self.config.synced_gpus)
+        while self._has_work(state, synced, stats):
+            draft = self._draft(state, hooks, stats)
+            verdict = self._verify(state, draft.tree)
+            step = self._commit(state, draft, verdict, stats)
+            hooks.call("feedback", step)
+            self._retire(state, step, verdict)
+        return self._finish(state, hooks, stats, start)
+
+    def _prefill(self, input_ids, attention_mask, gen: GenerationConfig, stats: GenerationStats) -> DecodeState:
+        """Run the prompts (positions as ``generate`` computes them for left padding) and sample every row's root."""
+        device, batch, max_new = input_ids.device, input_ids.shape[0], gen.max_new_tokens
         target = TargetDistribution(self.model, gen, attention_mask)
         eos = torch.tensor(self._eos_ids(target.generation_config), device=device, dtype=torch.long)
         pad_len = (attention_mask != 0).int().argmax(1)
-        if self._table_device != device:
-            self.table, self._table_device = self.table.to(device), device
-        want_logprobs = self.config.return_logprobs
-        capacity = self.capacity  # resolved (maybe profiled) before any rank can finish early
-
-        # Prefill: positions as generate computes them for left padding.
+        if self.table.depth.device != device:
+            self.table = self.table.to(device)
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
         logits = out.logits[:, -1]
-        hidden = out.hidden_states[-1][:, -1]
-        self._check_finite(logits, 0, torch.arange(batch, device=device))
+        rows = torch.arange(batch, device=device)
+        self._check_finite(logits, 0, rows)
         root, _ = target.sample(target.scores(logits, input_ids, pad_len))
-
         completion = torch.zeros((batch, max_new), dtype=torch.long, device=device)
         completion[:, 0] = root
-        logprobs = torch.zeros((batch, max_new), dtype=torch.float32, device=device) if want_logprobs else None
-        if want_logprobs:
+        logprobs = None
+        if self.config.return_logprobs:
+            logprobs = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
             logprobs[:, 0] = target.logprobs(logits).gather(1, root[:, None]).squeeze(1)
-        done_len = torch.ones(batch, dtype=torch.long, device=device)
-        rows = torch.arange(batch, device=device)
         kv = RaggedCache(cache, attention_mask.bool(), attention_mask.long().sum(1), self.config.compact_ratio)
+        state = DecodeState(input_ids, pad_len, target, eos, max_new, completion, logprobs,
+                            torch.ones(batch, dtype=torch.long, device=device),
+                            torch.zeros(self.heads.num_heads, dtype=torch.long, device=device), rows, root,
+                            out.hidden_states[-1][:, -1], kv)
+        stats.forwards, stats.row_forwards, stats.tokens = 1, batch, batch
+        self._keep(state, ~torch.isin(root, eos) & (state.done_len < max_new))
+        return state
 
-        stats = {"forwards": 1, "row_forwards": batch, "tokens": batch, "nodes_per_row": [], "active_rows": [],
-                 "drafted_row_steps": 0, "accepted": 0, "expected_accepted": 0.0}
-        depths = torch.arange(self.heads.num_heads, device=device)
-        accepted_at_depth = torch.zeros(self.heads.num_heads, dtype=torch.long, device=device)
-        alive = ~torch.isin(root, eos) & (done_len < max_new)
+    def _has_work(self, state: DecodeState, synced: bool, stats: GenerationStats) -> bool:
+        """Whether to run another step. Under sharded parameters a rank with no rows left keeps issuing throwaway
+        forwards until every rank is done, so the all-gathers inside each forward stay in step."""
+        if not synced:
+            return state.rows.numel() > 0
+        while any_rank_active(state.rows.numel() > 0, state.prompt_ids.device):
+            if state.rows.numel():
+                return True
+            self.model(input_ids=state.prompt_ids[:1, -1:], use_cache=False)
+            stats.sync_forwards += 1
+        return False
+
+    def _draft(self, state: DecodeState, hooks: TimedHooks, stats: GenerationStats) -> Draft:
+        """The heads' candidates (after the hooks' adjustments) and the best ``N_t`` tree nodes per row."""
+        active = state.rows.numel()
+        num_nodes = node_budget(stats.capacity, active, self.config.max_nodes)
+        stats.nodes_per_row.append(num_nodes)
+        stats.active_rows.append(active)
+        if not num_nodes:
+            return Draft(select_tree(state.root, None, None, self.table, 0), 0, None, None)
+        z = hooks.chain("adjust", state.rows, self.heads(state.hidden))  # [B, H, D]
+        head_logp = hooks.chain("adjust_logprobs", state.rows, torch.log_softmax(self.lm_head(z).float(), dim=-1))
+        topk_logp, topk_ids = head_logp.topk(self.config.topk_per_head, dim=-1)
+        return Draft(select_tree(state.root, topk_ids, topk_logp, self.table, num_nodes), num_nodes, z, topk_ids)
+
+    def _verify(self, state: DecodeState, tree: DraftTree) -> Verification:
+        """One target forward over every row's root + tree, and one sample per node from its processed distribution."""
+        kv, active, n = state.kv, state.rows.numel(), tree.size
+        out = self.model(input_ids=tree.tokens, position_ids=kv.lengths[:, None] + tree.depth,
+                         attention_mask=kv.tree_attention_mask(tree.ancestors, self.lm_head.weight.dtype),
+                         cache=kv.cache, use_cache=True, output_hidden_states=True)
+        logits = out.logits  # [B, n, V]
+        state.steps += 1
+        self._check_finite(logits, state.steps, state.rows)
+        node_ids = ignore = None
+        if state.target.needs_input_ids:
+            node_ids, ignore = self._node_input_ids(state, tree)
+        sampled, probs = state.target.sample(state.target.scores(logits.reshape(active * n, -1), node_ids, ignore))
+        return Verification(logits, out.hidden_states[-1], sampled.view(active, n), probs.view(active, n, -1))
+
+    def _commit(self, state: DecodeState, draft: Draft, verdict: Verification,
+                stats: GenerationStats) -> StepFeedback:
+        """Write each row's emitted tokens (and their logprobs), keep the accepted KV entries, count."""
+        rows, tree = state.rows, draft.tree
+        root_index = state.done_len[rows] - 1
+        step = emit(tree, verdict.sampled, state.eos, state.max_new - state.done_len[rows])
+        j = torch.arange(step.tokens.shape[1], device=rows.device)[None]
+        write = j < step.count[:, None]
+        row_of = rows[:, None].expand_as(write)[write]
+        dest = (state.done_len[rows][:, None] + j).clamp(max=state.max_new - 1)[write]
+        state.completion[row_of, dest] = step.tokens[write]
+        if state.logprobs is not None:  # token j was sampled from the logits at accepted node j
+            at = step.accepted.clamp(min=0)[..., None].expand(-1, -1, verdict.logits.shape[-1])
+            lp = state.target.logprobs(verdict.logits.gather(1, at)).gather(2, step.tokens[..., None]).squeeze(2)
+            state.logprobs[row_of, dest] = lp[write]
+        state.done_len[rows] += step.count
+        state.kv.commit(step.accepted)
+        self._count(state, stats, draft, verdict, step)
+        return StepFeedback(rows, root_index, draft.z, draft.candidates, tree, verdict.probs, step.accepted,
+                            step.tokens, step.count, step.finished, state.hidden)
+
+    def _count(self, state: DecodeState, stats: GenerationStats, draft: Draft, verdict: Verification,
+               step: Emission) -> None:
+        active = step.count.numel()
+        stats.forwards += 1
+        stats.row_forwards += active
+        stats.tokens += int(step.count.sum())
+        if not draft.num_nodes:
+            return
+        num_acc = (step.accepted >= 0).sum(1) - 1
+        stats.drafted_row_steps += active
+        depths = torch.arange(self.heads.num_heads, device=num_acc.device)
+        state.accepted_at_depth += (num_acc[:, None] > depths).sum(0)
+        if self.config.track_expected_acceptance:
+            stats.expected_accepted += float(expected_accepted(draft.tree, verdict.probs).sum())
+            stats.accepted += int(num_acc.sum())
+
+    def _retire(self, state: DecodeState, step: StepFeedback, verdict: Verification) -> None:
+        """Advance every row to its next root (and the hidden state that produced it); drop finished rows."""
+        last = step.accepted.gather(1, ((step.accepted >= 0).sum(1) - 1)[:, None]).squeeze(1)
+        state.hidden = verdict.hidden.gather(1, last[:, None, None].expand(-1, 1, verdict.hidden.shape[-1])).squeeze(1)
+        state.root = verdict.sampled.gather(1, last[:, None]).squeeze(1)
+        if step.finished.any():
+            self._keep(state, ~step.finished)
+
+    @staticmethod
+    def _keep(state: DecodeState, alive: torch.Tensor) -> None:
         keep = alive.nonzero().squeeze(1)
-        rows, root, hidden = rows[keep], root[keep], hidden[keep]
-        kv.keep_rows(keep)
+        state.rows, state.root, state.hidden = state.rows[keep], state.root[keep], state.hidden[keep]
+        state.kv.keep_rows(keep)
+
+    def _finish(self, state: DecodeState, hooks: TimedHooks, stats: GenerationStats, start: float) -> GenerationOutput:
+        lengths = state.done_len.tolist()
+        ids = state.completion.tolist()
+        completions = [ids[b][: lengths[b]] for b in range(len(lengths))]
+        logprobs = None
+        if state.logprobs is not None:
+            logprobs = [state.logprobs[b, : lengths[b]].tolist() for b in range(len(lengths))]
+        stats.tau = stats.tokens / stats.row_forwards
+        stats.accept_per_head = (state.accepted_at_depth.double() / max(1, stats.drafted_row_steps)).tolist()
+        hooks.call("finish", state.done_len)
         for hook in self.hooks:
-            hook.start(batch, self.heads.num_heads, lm_head_shape(self.lm_head)[1], self.lm_head)
-            hook.observe_prompts(input_ids, attention_mask)
-        synced = should_sync(self.model, self.config.synced_gpus)
-        step = 0
-        while True:
-            if synced:
-                if not any_rank_active(rows.numel() > 0, device):
-                    break
-                if not rows.numel():
-                    # this rank is done: a throwaway forward keeps the sharded all-gathers in step
-                    self.model(input_ids=input_ids[:1, -1:], use_cache=False)
-                    stats["sync_forwards"] = stats.get("sync_forwards", 0) + 1
-                    continue
-            elif not rows.numel():
-                break
-            step += 1
-            active = rows.numel()
-            num_nodes = node_budget(capacity, active, self.config.max_nodes)
-            stats["nodes_per_row"].append(num_nodes)
-            stats["active_rows"].append(active)
-            root_index = done_len[rows] - 1
-            z = topk_ids = topk_logp = None
-            if num_nodes:
-                z = self.heads(hidden)  # [B, H, D]
-                for hook in self.hooks:
-                    z = hook.adjust(rows, z)
-                head_logp = torch.log_softmax(self.lm_head(z).float(), dim=-1)
-                for hook in self.hooks:
-                    head_logp = hook.adjust_logprobs(rows, head_logp)
-                topk_logp, topk_ids = head_logp.topk(self.config.topk_per_head, dim=-1)
-            tree = select_tree(root, topk_ids, topk_logp, self.table, num_nodes)
+            stats.hook_metrics.update(hook.metrics())
+        stats.seconds = time.perf_counter() - start
+        return GenerationOutput(completions, logprobs, stats)
 
-            n = tree.size
-            out = self.model(
-                input_ids=tree.tokens,
-                position_ids=kv.lengths[:, None] + tree.depth,
-                attention_mask=kv.tree_attention_mask(tree.ancestors, self.lm_head.weight.dtype),
-                cache=kv.cache,
-                use_cache=True,
-                output_hidden_states=True,
-            )
-            node_logits = out.logits  # [B, n, V]
-            self._check_finite(node_logits, step, rows)
-            node_ids = ignore = None
-            if target.needs_input_ids:
-                node_ids, ignore = self._node_input_ids(input_ids, completion, rows, done_len, root, tree, pad_len)
-            scores = target.scores(node_logits.reshape(active * n, -1), node_ids, ignore)
-            sampled, probs = target.sample(scores)
-            sampled = sampled.view(active, n)
-            accepted = match_tree(tree, sampled)  # [B, D+1], root first
-            num_acc = (accepted >= 0).sum(1)
-            if self.config.track_expected_acceptance and num_nodes:
-                stats["expected_accepted"] += float(expected_accepted(tree, probs.view(active, n, -1)).sum())
-                stats["accepted"] += int((num_acc - 1).sum())
-            last = accepted.gather(1, (num_acc - 1)[:, None]).squeeze(1)
-            new_root = sampled.gather(1, last[:, None]).squeeze(1)
-
-            # Emitted this step: accepted nodes after the root, then the sample at the last one.
-            width = accepted.shape[1]
-            j = torch.arange(width, device=device)
-            nxt = torch.cat([accepted[:, 1:], accepted.new_full((active, 1), -1)], dim=1)
-            emitted = torch.where(j[None] < num_acc[:, None] - 1, tree.tokens.gather(1, nxt.clamp(min=0)),
-                                  new_root[:, None])
-            count = num_acc.clone()
-            is_eos = torch.isin(emitted, eos) & (j[None] < count[:, None])
-            first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, width + 1)
-            count = torch.minimum(torch.minimum(count, first_eos), max_new - done_len[rows])
-            write = j[None] < count[:, None]
-            dest = (done_len[rows][:, None] + j[None]).clamp(max=max_new - 1)
-            completion[rows[:, None].expand(-1, width)[write], dest[write]] = emitted[write]
-            if want_logprobs:
-                lp = target.logprobs(node_logits.gather(1, accepted.clamp(min=0)[..., None].expand(
-                    -1, -1, node_logits.shape[-1])))  # [B, D+1, V], distribution each emitted token came from
-                lp = lp.gather(2, emitted[..., None]).squeeze(2)
-                logprobs[rows[:, None].expand(-1, width)[write], dest[write]] = lp[write]
-            done_len[rows] += count
-
-            stats["forwards"] += 1
-            stats["row_forwards"] += active
-            stats["tokens"] += int(count.sum())
-            if num_nodes:
-                stats["drafted_row_steps"] += active
-                accepted_at_depth += ((num_acc - 1)[:, None] > depths).sum(0)
-
-            kv.commit(accepted)
-            finished = (first_eos <= num_acc) | (done_len[rows] >= max_new)
-            if self.hooks:
-                feedback = StepFeedback(rows, root_index, z, topk_ids, tree, probs.view(active, n, -1), accepted,
-                                        emitted, count, finished, hidden)
-                for hook in self.hooks:
-                    hook.feedback(feedback)
-            hidden = out.hidden_states[-1].gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
-            root = new_root
-            if finished.any():
-                keep = (~finished).nonzero().squeeze(1)
-                rows, root, hidden = rows[keep], root[keep], hidden[keep]
-                kv.keep_rows(keep)
-
-        lengths = done_len.tolist()
-        ids = completion.tolist()
-        result = [ids[b][: lengths[b]] for b in range(batch)]
-        lps = [logprobs[b, : lengths[b]].tolist() for b in range(batch)] if want_logprobs else None
-        drafted = max(1, stats["drafted_row_steps"])
-        stats.update(
-            tau=stats["tokens"] / stats["row_forwards"],
-            accept_per_head=(accepted_at_depth.double() / drafted).tolist(),
-            seconds=time.perf_counter() - start,
-            capacity=capacity,
-        )
-        for hook in self.hooks:
-            hook.finish(done_len)
-            stats.update(hook.metrics())
-        return GenerationOutput(result, lps, stats)
-
-    def _node_input_ids(self, prompt_ids, completion, rows, done_len, root, tree, pad_len):
+    def _node_input_ids(self, state: DecodeState, tree: DraftTree):
         """Per node: prompt + committed completion + path, the gaps filled with the row's root token (a token
         already on every node's path, so the *set* of ids, all repetition penalty reads, is exact)."""
-        active, n = tree.tokens.shape
-        comp = completion[rows]
-        filled = torch.arange(comp.shape[1], device=comp.device)[None] < done_len[rows][:, None]
-        comp = torch.where(filled, comp, root[:, None])
-        base = torch.cat([prompt_ids[rows], comp], dim=1)  # [B, L]
+        rows, (active, n) = state.rows, tree.tokens.shape
+        comp = state.completion[rows]
+        filled = torch.arange(comp.shape[1], device=comp.device)[None] < state.done_len[rows][:, None]
+        comp = torch.where(filled, comp, state.root[:, None])
+        base = torch.cat([state.prompt_ids[rows], comp], dim=1)  # [B, L]
         ids = torch.cat([base[:, None].expand(-1, n, -1), tree.path_tokens], dim=2)
-        return ids.reshape(active * n, -1), pad_len[rows].repeat_interleave(n)
+        return ids.reshape(active * n, -1), state.pad_len[rows].repeat_interleave(n)
 
     @staticmethod
     def _check_finite(logits: torch.Tensor, step: int, rows: torch.Tensor) -> None:
@@ -343,11 +458,18 @@ class SpeculativeGenerator:
                 f"target logits contain NaN or inf at decoding step {step} for batch rows {rows[bad].tolist()}"
             )
 
+    @staticmethod
+    def _eos_ids(gen: GenerationConfig) -> list[int]:
+        eos = gen.eos_token_id
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
     def _fallback(self, input_ids, attention_mask, gen, max_new, start) -> GenerationOutput:
         seqs = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen,
                                    max_new_tokens=max_new)[:, input_ids.shape[1]:].tolist()
         eos = set(self._eos_ids(gen))
         result = [s[: next((i + 1 for i, t in enumerate(s) if t in eos), len(s))] for s in seqs]
-        return GenerationOutput(result, None, {"tau": 1.0, "forwards": max(map(len, result)), "fallback": True,
-                                               "reason": self.supported_error,
-                                               "seconds": time.perf_counter() - start})
+        stats = GenerationStats(forwards=max(map(len, result)), fallback=True, reason=self.supported_error,
+                                tokens=sum(map(len, result)), seconds=time.perf_counter() - start)
+        return GenerationOutput(result, None, stats)

@@ -1,11 +1,12 @@
 """Per-step hooks of the speculative engine: adjust proposals before drafting, receive verifier feedback after.
 
-The engine calls, once per ``generate`` call, ``start`` and ``observe_prompts``; then every decoding step
-``adjust`` (it may change the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``),
-``adjust_logprobs`` (it may change the heads' log-probabilities the candidates and their tree scores are taken
-from) and ``feedback`` (what the verifier learnt this step); and ``finish`` when the call ends. Hooks can only
-change *proposals*; what is emitted stays exactly distributed as the target samples it. Reflex
-(``specroll_trl.reflex``) is the first hook; the slow path's ``BufferCapture`` (``specroll_trl.buffer``) the second.
+Per ``generate`` call the engine calls ``start(context)`` once; then every decoding step ``adjust`` (it may change
+the heads' hidden states ``z`` before candidates are taken from ``lm_head(z)``), ``adjust_logprobs`` (it may change
+the heads' log-probabilities the candidates and their tree scores are taken from) and ``feedback`` (what the
+verifier learnt this step); and ``finish`` when the call ends. Hooks run in list order, like logits processors,
+and the engine times each one (``stats.hook_seconds[hook.name]``). Hooks can only change *proposals*: what is
+emitted stays exactly distributed as the target samples it. Reflex (``specroll_trl.adapt.reflex``) and the slow
+path's ``BufferCapture`` (``specroll_trl.adapt.buffer``) are hooks.
 """
 
 from __future__ import annotations
@@ -15,6 +16,31 @@ from dataclasses import dataclass
 import torch
 
 from .tree import DraftTree
+
+
+@dataclass
+class GenerationContext:
+    """What hooks are told when a ``generate`` call starts.
+
+    Attributes:
+        input_ids: ``[B, T]`` the call's left-padded prompts.
+        attention_mask: ``[B, T]`` their mask (0 on padding).
+        num_heads: heads proposing (``H``).
+        lm_head: the target's output projection (shared by the heads; read-only).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    num_heads: int
+    lm_head: torch.nn.Module
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.lm_head.weight.shape[1]
 
 
 @dataclass
@@ -52,13 +78,12 @@ class StepFeedback:
 
 
 class StepHook:
-    """Base class: every method is a no-op, override what you need."""
+    """Base class: every method is a no-op, override what you need. ``name`` keys the hook's time in the stats."""
 
-    def start(self, batch_size: int, num_heads: int, hidden_size: int, lm_head: torch.nn.Module) -> None:
-        """A new ``generate`` call: reset all per-row state for ``batch_size`` fresh rows."""
+    name = "hook"
 
-    def observe_prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Right after ``start``: the ``[batch_size, T]`` left-padded prompts of the call's rows."""
+    def start(self, context: GenerationContext) -> None:
+        """A new ``generate`` call: reset all per-row state for ``context.batch_size`` fresh rows."""
 
     def adjust(self, rows: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Return the hidden states (``[B, H, D]``) the heads' candidates are taken from."""
@@ -67,8 +92,7 @@ class StepHook:
     def adjust_logprobs(self, rows: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """Return the scores (``[B, H, V]``, the heads' log-probabilities from ``lm_head(z)``) whose top-k become
         the tree's candidates; the kept values are the candidates' scores (tree selection multiplies them
-        along a path, so they must stay <= 0). A hook may add a logit bias (then renormalise) or calibrate a head's
-        confidence."""
+        along a path, so they must stay <= 0)."""
         return logp
 
     def feedback(self, step: StepFeedback) -> None:

@@ -1,4 +1,4 @@
-"""Lossless sample-then-match verification (SPEC 2.3).
+"""Lossless sample-then-match verification, and what a verified step emits.
 
 For every tree node ``v`` the target distribution ``p_v`` is built with Hugging Face's own logits
 processors, exactly as ``model.generate`` builds them for the same ``GenerationConfig`` (fp32; input ids =
@@ -10,6 +10,8 @@ probabilities never enter the acceptance decision.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
@@ -136,3 +138,43 @@ def match_tree(tree: DraftTree, sampled: torch.Tensor) -> torch.Tensor:
         current = torch.where(alive, hit.int().argmax(-1), current)
         path.append(torch.where(alive, current, -1))
     return torch.stack(path, dim=1)
+
+
+@dataclass
+class Emission:
+    """What one verified step commits per row.
+
+    Attributes:
+        accepted: ``[B, D+1]`` node indices of the accepted path, root first (``-1`` past its end).
+        tokens: ``[B, D+1]`` tokens emitted after the root: the accepted nodes' tokens, then the target's sample at
+            the last accepted node (the next root); only the first ``count`` are committed.
+        count: ``[B]`` tokens committed: cut after the first eos and at the row's remaining room.
+        last: ``[B]`` the last accepted node (its hidden state feeds the next step's heads).
+        next_root: ``[B]`` the sample at ``last``.
+        finished: ``[B]`` the row emitted an eos or filled its room.
+    """
+
+    accepted: torch.Tensor
+    tokens: torch.Tensor
+    count: torch.Tensor
+    last: torch.Tensor
+    next_root: torch.Tensor
+    finished: torch.Tensor
+
+
+def emit(tree: DraftTree, sampled: torch.Tensor, eos: torch.Tensor, room: torch.Tensor) -> Emission:
+    """Follow each row's tree along the target's samples (``match_tree``) and cut what it emits at the first eos
+    (any id in ``eos``) and at ``room [B]``, the completion tokens the row may still add."""
+    accepted = match_tree(tree, sampled)
+    num_acc = (accepted >= 0).sum(1)
+    last = accepted.gather(1, (num_acc - 1)[:, None]).squeeze(1)
+    next_root = sampled.gather(1, last[:, None]).squeeze(1)
+    width = accepted.shape[1]
+    j = torch.arange(width, device=sampled.device)
+    after = torch.cat([accepted[:, 1:], accepted.new_full((accepted.shape[0], 1), -1)], dim=1)
+    tokens = torch.where(j[None] < num_acc[:, None] - 1, tree.tokens.gather(1, after.clamp(min=0)), next_root[:, None])
+    is_eos = torch.isin(tokens, eos) & (j[None] < num_acc[:, None])
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, width + 1)  # 1-based; width + 1: none
+    count = torch.minimum(torch.minimum(num_acc, first_eos), room)
+    finished = (first_eos <= num_acc) | (count >= room)
+    return Emission(accepted, tokens, count, last, next_root, finished)

@@ -39,7 +39,7 @@ def _demo(args) -> int:
           f"{args.prompts_per_step} prompts x 8 completions, up to {args.max_completion_length} tokens", flush=True)
     summary = run_demo(args.model, heads_path, task, steps=args.steps, repeats=args.repeats,
                        prompts_per_step=args.prompts_per_step, max_completion_length=args.max_completion_length,
-                       capacity=args.capacity or None, out_dir=args.out, progress=not args.quiet)
+                       capacity=args.capacity, out_dir=args.out, progress=not args.quiet)
     print(format_summary(summary))
     print(f"done in {time.time() - start:.0f} s; wrote {' and '.join(summary['files'])}")
     return 0
@@ -69,7 +69,7 @@ def _bench(args) -> int:
     from .experiments.bench import bench_e2e, bench_generation, bench_reflex, format_table, write_results
 
     if args.what == "ablation":
-        from .ablation import bench_ablation, format_ablation, plot_ablation
+        from .experiments.ablation import bench_ablation, format_ablation, plot_ablation
 
         if args.quick:
             records = bench_ablation(args.model, steps=6, max_completion_length=96, capacity=args.capacity,
@@ -103,11 +103,12 @@ def _bench(args) -> int:
 
     if args.what == "e2e":
         if args.quick:
-            records = bench_e2e(args.model, steps=2, repeats=1, prompts_per_step=2, max_completion_length=128)
+            records = bench_e2e(args.model, steps=2, repeats=1, prompts_per_step=2, max_completion_length=128,
+                                capacity=args.capacity)
         else:
             records = bench_e2e(args.model, steps=args.steps or 4, repeats=args.repeats,
                                 max_completion_length=args.max_new_tokens or 256,
-                                prompts_per_step=args.prompts_per_step or 4)
+                                prompts_per_step=args.prompts_per_step or 4, capacity=args.capacity)
         for key, value in records[0].items():
             print(f"{key:>24}: {value}")
         if args.out:
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts-per-step", type=int, default=1, help="prompts per step (x 8 completions)")
     demo.add_argument("--capacity", type=int, default=40,
                       help="C_hw, query tokens per forward (40: 4 draft nodes per row at 8 rows, what suits `tiny` on "
-                      "2 CPU cores); 0 profiles it, which is noisy for tiny models on CPUs")
+                      "2 CPU cores)")
     demo.add_argument("--max-completion-length", type=int, default=256)
     demo.add_argument("--out", default="runs/demo", help="folder for demo.json and demo.png")
     demo.add_argument("--quiet", action="store_true", help="no per-step trainer logs or progress bars")

@@ -41,8 +41,7 @@ def test_bench_ablation_quick_writes_the_five_variants(nano, tmp_path):
     from specroll_trl.experiments.ablation import bench_ablation
 
     records = bench_ablation("nano", steps=2, max_completion_length=32, output_dir=str(tmp_path), progress=False,
-                             consolidation={"spec_consolidation_min_buffer": 16, "spec_consolidation_steps": 3,
-                                            "spec_consolidation_holdout_fraction": 0.0})
+                             consolidation={"min_buffer": 16, "steps": 3, "holdout_fraction": 0.0})
     by_name = {r["variant"]: r for r in records}
     assert set(by_name) == {"static", "reflex", "slow", "both", "every_round", "vanilla"}
     for r in records:

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache, GenerationConfig
 
-from specroll_trl.engine import generator as engine_mod
+from specroll_trl.engine import verify as verify_mod
 from specroll_trl.engine.compat import check_model_supported
 from specroll_trl.engine.generator import SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
@@ -181,7 +181,7 @@ def lossy_match(tree, sampled):
     return path
 
 
-engine_mod_match = engine_mod.match_tree
+engine_mod_match = verify_mod.match_tree
 
 
 def test_chi_square_detects_a_biased_verifier(monkeypatch):
@@ -189,7 +189,7 @@ def test_chi_square_detects_a_biased_verifier(monkeypatch):
     heads = noisy_heads(model, std=0.4, seed=1)
     gc = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0, temperature=1.0,
                           top_k=0)
-    monkeypatch.setattr(engine_mod, "match_tree", lossy_match)
+    monkeypatch.setattr(verify_mod, "match_tree", lossy_match)
     samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5)
     exact = exact_completion_distribution(model, PROMPTS[0], gc)
     counts_ok = all(tuple(s) in exact for s in samples[0])

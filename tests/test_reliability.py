@@ -247,12 +247,12 @@ def test_invalid_spec_config_fields(field, value, error, match):
 
 @pytest.mark.parametrize(
     "field,value,match",
-    [("spec_reflex_rho_decay", 1.0, "rho_decay"), ("spec_reflex_eta", -1.0, "eta"),
-     ("spec_reflex_support_k", 0, "support_k"), ("spec_reflex_rho_min", 1.5, "rho_min")],
+    [("rho_decay", 1.0, "rho_decay"), ("eta", -1.0, "eta"), ("support_k", 0, "support_k"),
+     ("rho_min", 1.5, "rho_min")],
 )
 def test_invalid_reflex_fields_fail_at_config_time(field, value, match):
     with pytest.raises(ValueError, match=match):
-        SpecGRPOConfig(output_dir="x", bf16=False, spec_reflex=True, **{field: value})
+        SpecGRPOConfig(output_dir="x", bf16=False, spec_reflex="baseline", spec_reflex_kwargs={field: value})
 
 
 # =========================================================================== bad input: trainer paths and heads

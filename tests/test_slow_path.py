@@ -1,6 +1,7 @@
 """Slow path: the drift monitor, the captured buffer, head-only consolidation, and its trainer callback."""
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -269,9 +270,9 @@ def test_consolidation_raises_acceptance_on_a_drifted_target(nano):
 
 
 def test_trainer_consolidates_logs_and_resumes_monitor_state(nano, tmp_path, dataset):  # noqa: F811
-    args = small_args(tmp_path, spec_consolidation=True, spec_consolidation_trigger="every_round",
-                      spec_consolidation_min_buffer=16, spec_consolidation_steps=5,
-                      spec_consolidation_holdout_fraction=0.0, save_strategy="steps",
+    args = small_args(tmp_path, spec_consolidation=True,
+                      spec_consolidation_kwargs=dict(trigger="every_round", min_buffer=16, steps=5,
+                                                     holdout_fraction=0.0), save_strategy="steps",
                       save_steps=1, max_steps=2)
     initial = copy.deepcopy(zoo.load_heads("nano", progress=False).state_dict())
     trainer = run(SpecGRPOTrainer, args, dataset)
@@ -298,9 +299,9 @@ def test_trainer_consolidates_logs_and_resumes_monitor_state(nano, tmp_path, dat
 def test_trainer_with_peft_heads_saves_merged_heads_and_adapter(nano, tmp_path, dataset):  # noqa: F811
     base = zoo.load_heads("nano", progress=False)
     heads = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["linear"]))
-    args = small_args(tmp_path, spec_consolidation=True, spec_consolidation_trigger="every_round",
-                      spec_consolidation_min_buffer=16, spec_consolidation_steps=5,
-                      spec_consolidation_holdout_fraction=0.0, max_steps=1)
+    args = small_args(tmp_path, spec_consolidation=True,
+                      spec_consolidation_kwargs=dict(trigger="every_round", min_buffer=16, steps=5,
+                                                     holdout_fraction=0.0), max_steps=1)
     trainer = run(SpecGRPOTrainer, args, dataset, heads=heads)
     assert trainer.spec_consolidation.count == 1
     trainer.save_model(str(tmp_path / "final"))
@@ -312,12 +313,19 @@ def test_trainer_with_peft_heads_saves_merged_heads_and_adapter(nano, tmp_path, 
         assert torch.allclose(merged(h), trainer.spec_heads(h), atol=1e-5)
 
 
-def test_trainer_fields_mirror_the_consolidation_config():
-    import dataclasses
+def test_every_consolidation_field_is_reachable_from_the_trainer_config(tmp_path):
+    from specroll_trl import SpecGRPOConfig
 
-    from specroll_trl.trainer import SPEC_DEFAULTS, consolidation_config_from
-
-    config = consolidation_config_from(SPEC_DEFAULTS)
-    assert config == ConsolidationConfig()
-    for f in dataclasses.fields(ConsolidationConfig):
-        assert f.name == "seed" or f"spec_consolidation_{f.name}" in SPEC_DEFAULTS, f.name
+    chosen = dict(trigger="every_round", delta=0.1, delta_r=0.2, patience=2, cooldown=1, smoothing=0.5,
+                  buffer_size=1000, buffer_topk=4, min_buffer=10, steps=3, max_seconds=5.0, batch_size=32, lr=1e-3,
+                  lambda_nll=0.1, mu=0.5, holdout_fraction=0.2)
+    assert set(chosen) | {"seed"} == {f.name for f in dataclasses.fields(ConsolidationConfig)}
+    args = SpecGRPOConfig(output_dir=str(tmp_path), bf16=False, seed=7, spec_consolidation=True,
+                          spec_consolidation_kwargs=chosen)
+    assert args.spec_settings().consolidation == ConsolidationConfig(**chosen, seed=7)
+    with pytest.raises(TypeError, match="unknown_field"):
+        SpecGRPOConfig(output_dir=str(tmp_path), bf16=False, spec_consolidation=True,
+                       spec_consolidation_kwargs={"unknown_field": 1})
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        SpecGRPOConfig(output_dir=str(tmp_path), bf16=False, spec_consolidation=True,
+                       spec_consolidation_kwargs='{"lr": 0}')  # a JSON string, as from the command line

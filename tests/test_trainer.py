@@ -70,7 +70,7 @@ def test_plain_grpo_config_works_with_defaults(nano, tmp_path, dataset):
     with pytest.warns(UserWarning, match="zero-initialised heads|self-distilling"):
         trainer = SpecGRPOTrainer(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=args,
                                   train_dataset=dataset)
-    assert trainer.spec_args["spec_enabled"] and trainer.spec_heads is not None
+    assert trainer.spec.enabled and trainer.spec_heads is not None
     trainer.train()
     assert any("spec/tau" in r for r in trainer.state.log_history)
 
@@ -108,7 +108,7 @@ def test_peft_policy(nano, tmp_path, dataset):
 
 
 def test_reflex_metrics_are_logged(nano, tmp_path, dataset):
-    trainer = run(SpecGRPOTrainer, small_args(tmp_path, spec_reflex=True, max_steps=1), dataset)
+    trainer = run(SpecGRPOTrainer, small_args(tmp_path, spec_reflex="baseline", max_steps=1), dataset)
     row = next(r for r in trainer.state.log_history if "loss" in r)
     assert 0.0 <= row["spec/reflex_gate"] <= 1.0 and row["spec/reflex_norm"] >= 0.0
 
@@ -168,7 +168,9 @@ def test_invalid_spec_config_values():
     with pytest.raises(ValueError, match="spec_capacity"):
         SpecGRPOConfig(output_dir="x", spec_capacity=0, bf16=False)
     with pytest.raises(ValueError, match="lam"):
-        SpecGRPOConfig(output_dir="x", spec_reflex=True, spec_reflex_lam=2.0, bf16=False)
+        SpecGRPOConfig(output_dir="x", spec_reflex="baseline", spec_reflex_kwargs={"lam": 2.0}, bf16=False)
+    with pytest.raises(ValueError, match="unknown Reflex preset|preset"):
+        SpecGRPOConfig(output_dir="x", spec_reflex="no-such-preset", bf16=False)
 
 
 def test_two_process_accelerate_launch(nano, tmp_path):

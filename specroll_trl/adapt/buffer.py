@@ -1,4 +1,4 @@
-"""Training tuples for the slow path, captured from verification (SPEC 2.6).
+"""Training tuples for the slow path, captured from verification.
 
 ``BufferCapture`` is a step hook. Every step it records, per row, the heads' input ``h_t`` and, for every
 token committed, the top-K of the target distribution it was sampled from plus the token itself. When the
@@ -6,7 +6,7 @@ token committed, the top-K of the target distribution it was sampled from plus t
 ``root + d`` (resolved later than the step that proposed it, exactly as Reflex's delayed feedback) and
 pushes ``(h_t, ids [H, K], probs [H, K], token [H], valid [H])`` into a bounded ring, ``HeadBuffer``.
 It also measures each head's candidate regret ``1 - sum_{c in candidates} p(c)`` at verified nodes, the
-drift monitor's second signal. Everything is detached; nothing here needs gradients.
+drift monitor's second signal, and per-head acceptance: the monitor reads both per ``generate`` call. Everything is detached; nothing here needs gradients.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class BufferCapture(StepHook):
 
     def __init__(self, buffer: HeadBuffer):
         self.buffer = buffer
+        self.rounds: list[tuple[list[float] | None, list[float] | None]] = []  # (accept per head, regret) per call
         self.regret_sum = torch.zeros(buffer.num_heads, dtype=torch.float64)
         self.regret_count = torch.zeros(buffer.num_heads, dtype=torch.float64)
 
@@ -86,6 +87,8 @@ class BufferCapture(StepHook):
         self._ids = self._probs = self._tokens = None
         self.regret_sum.zero_()
         self.regret_count.zero_()
+        self.accepted = torch.zeros(self.buffer.num_heads, dtype=torch.float64)
+        self.drafted = 0
 
     def _grow(self, length: int, device) -> None:
         k = self.buffer.topk
@@ -119,6 +122,9 @@ class BufferCapture(StepHook):
         self._probs[r[write], index[write], :k] = top_p[write]
         self._tokens[r[write], index[write]] = step.emitted[write]
         if step.candidates is not None:
+            depth = min(width - 1, self.buffer.num_heads)  # rows whose accepted path reaches depth d + 1
+            self.accepted[:depth] += (step.accepted[:, 1 : depth + 1] >= 0).sum(0).double().cpu()
+            self.drafted += len(rows)
             heads = min(step.candidates.shape[1], width)  # head d's target is this step's token d-1, if any
             covered = p[:, :heads].gather(2, step.candidates[:, :heads]).sum(-1)  # [B, heads]
             seen = torch.arange(heads, device=rows.device)[None] < step.count[:, None]
@@ -127,6 +133,9 @@ class BufferCapture(StepHook):
 
     @torch.no_grad()
     def finish(self, lengths):
+        drafted = self.drafted > 0
+        self.rounds.append(((self.accepted / max(1, self.drafted)).tolist() if drafted else None,
+                            self.regret() if drafted else None))
         if not self._steps or self._ids is None:
             return
         rows = torch.cat([s[0] for s in self._steps])
@@ -139,6 +148,12 @@ class BufferCapture(StepHook):
         r = rows[:, None].expand(-1, heads)
         self.buffer.add(hidden, self._ids[r, target], self._probs[r, target], self._tokens[r, target], valid)
         self._steps = []
+
+    def pop_rounds(self) -> list[tuple[list[float] | None, list[float] | None]]:
+        """The ``(accept_per_head, regret)`` of each ``generate`` call since the last pop (``None`` for a call that
+        drafted nothing), for the drift monitor."""
+        rounds, self.rounds = self.rounds, []
+        return rounds
 
     def regret(self) -> list[float]:
         """Mean candidate regret per head over the last ``generate`` call (NaN where a head was never verified)."""

@@ -1,4 +1,4 @@
-"""Head-only consolidation, the slow path (SPEC 2.6): re-fit the heads on captured tuples when drift fires.
+"""Head-only consolidation, the slow path: re-fit the heads on captured tuples when drift fires.
 
 ``consolidate_heads`` minimises, over the heads' trainable parameters only (their LoRA adapters when the
 heads are PEFT-wrapped; the backbone and ``lm_head`` are read, never updated),
@@ -6,8 +6,9 @@ heads are PEFT-wrapped; the backbone and ``lm_head`` are read, never updated),
 captured top-K target distribution and ``theta_anchor`` the parameters when the update starts. It is bounded
 in steps and seconds; on NaN, an exception or out-of-memory it restores the previous heads and reports why.
 
-``ConsolidationCallback`` wires a ``DriftMonitor`` and a ``HeadBuffer`` into ``SpecGRPOTrainer``: the trainer
-reports every generation round to ``observe``; a pending consolidation runs at ``on_step_end``.
+``ConsolidationCallback`` wires a ``BufferCapture`` (an engine hook filling a ``HeadBuffer``), a ``DriftMonitor``
+and ``consolidate_heads`` into any Trainer loop: at ``on_step_end`` it reads the rounds the capture saw and
+re-fits the heads when the monitor fires.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -194,52 +196,47 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
 
 
 class ConsolidationCallback(TrainerCallback):
-    """Drift-triggered, head-only consolidation for ``SpecGRPOTrainer`` (``spec_consolidation=True`` adds it).
+    """Drift-triggered, head-only consolidation as a ``TrainerCallback`` (``SpecGRPOTrainer`` adds it when
+    ``spec_consolidation=True``; any Trainer loop can use it).
 
-    The trainer calls ``bind`` once, registers ``capture`` as an engine hook and calls ``observe`` after every
-    generation round; the consolidation itself runs in ``on_step_end``, outside generation and the policy's
-    backward pass, and touches only the heads.
+    Register ``capture`` as a hook of the engine that generates the rollouts. At every ``on_step_end`` the
+    callback feeds each generation round the capture saw to the drift monitor and, when it fires (or every
+    round with ``trigger="every_round"``), re-fits the heads on the captured tuples: outside generation and the
+    policy's backward pass, touching only the heads.
+
+    Args:
+        heads: the speculative heads (PEFT-wrapped or not); updated in place.
+        lm_head: the target's output projection the heads share (read only).
+        config: slow-path settings.
+        log: called with a dict of ``spec/...`` metrics after each step's rounds and each consolidation.
     """
 
-    def __init__(self, config: ConsolidationConfig | None = None):
-        self.config = config or ConsolidationConfig()
-        self.trainer = None
-        self.monitor: DriftMonitor | None = None
-        self.buffer: HeadBuffer | None = None
-        self.capture: BufferCapture | None = None
+    def __init__(self, heads: torch.nn.Module, lm_head: torch.nn.Module, config: ConsolidationConfig | None = None,
+                 log: Callable[[dict[str, float]], None] | None = None):
+        c = self.config = config or ConsolidationConfig()
+        self.heads, self.lm_head = heads, lm_head
+        self.log = log or (lambda metrics: None)
+        num_heads = heads.num_heads
+        self.monitor = DriftMonitor(num_heads, c.delta, c.delta_r, c.patience, c.cooldown, c.smoothing)
+        self.buffer = HeadBuffer(c.buffer_size, num_heads, lm_head.weight.shape[1], c.buffer_topk)
+        self.capture = BufferCapture(self.buffer)
         self.pending = False
         self.count = self.failures = self.rejected = 0
         self.seconds = 0.0
         self.last_report: ConsolidationReport | None = None
 
-    def bind(self, trainer) -> None:
-        c = self.config
-        heads = trainer.spec_heads
-        self.trainer = trainer
-        self.monitor = DriftMonitor(heads.num_heads, c.delta, c.delta_r, c.patience, c.cooldown, c.smoothing)
-        hidden = trainer._policy_for_heads().get_output_embeddings().weight.shape[1]
-        self.buffer = HeadBuffer(c.buffer_size, heads.num_heads, hidden, c.buffer_topk)
-        self.capture = BufferCapture(self.buffer)
-
-    def observe(self, stats: dict) -> dict[str, float]:
-        """One generation round's engine stats; returns the drift metrics to log."""
-        drafted = stats.get("drafted_row_steps", 0) > 0
-        accept = stats.get("accept_per_head") if drafted else None
-        regret = stats.get("candidate_regret") if drafted else None
-        fired = self.monitor.update(accept, regret)
-        if self.config.trigger == "every_round" or fired:
+    def observe(self, accept_per_head: list[float] | None, regret: list[float] | None) -> dict[str, float]:
+        """One generation round (``None`` where it drafted nothing); returns the drift metrics."""
+        if self.monitor.update(accept_per_head, regret) or self.config.trigger == "every_round":
             self.pending = True
         metrics = {"spec/drift": self.monitor.drop(), "spec/buffer_size": float(len(self.buffer))}
-        if regret is not None:
-            finite = [r for r in regret if not math.isnan(r)]
-            if finite:
-                metrics["spec/candidate_regret"] = sum(finite) / len(finite)
+        finite = [r for r in regret or [] if not math.isnan(r)]
+        if finite:
+            metrics["spec/candidate_regret"] = sum(finite) / len(finite)
         return metrics
 
     def consolidate(self) -> ConsolidationReport:
-        trainer = self.trainer
-        lm_head = trainer._policy_for_heads().get_output_embeddings()
-        report = consolidate_heads(trainer.spec_heads, lm_head, self.buffer, self.config)
+        report = consolidate_heads(self.heads, self.lm_head, self.buffer, self.config)
         self.last_report = report
         self.seconds += report.seconds
         if report.ok:
@@ -252,28 +249,27 @@ class ConsolidationCallback(TrainerCallback):
         return report
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer is None or not self.pending:
+        for accept, regret in self.capture.pop_rounds():
+            self.log(self.observe(accept, regret))
+        if not self.pending:
             return control
         self.pending = False
         report = self.consolidate()
-        metrics = self.trainer._metrics["train"]
-        metrics["spec/consolidations"].append(float(self.count))
-        metrics["spec/consolidation_seconds"].append(report.seconds)
-        metrics["spec/consolidation_failures"].append(float(self.failures))
-        metrics["spec/consolidation_rejected"].append(float(self.rejected))
+        metrics = {"spec/consolidations": float(self.count), "spec/consolidation_seconds": report.seconds,
+                   "spec/consolidation_failures": float(self.failures),
+                   "spec/consolidation_rejected": float(self.rejected)}
         if report.ok:
-            metrics["spec/consolidation_loss_before"].append(report.loss_before)
-            metrics["spec/consolidation_loss_after"].append(report.loss_after)
+            metrics.update({"spec/consolidation_loss_before": report.loss_before,
+                            "spec/consolidation_loss_after": report.loss_after})
+        self.log(metrics)
         return control
 
     def state_dict(self) -> dict:
-        return {"config": asdict(self.config),
-                "monitor": self.monitor.state_dict() if self.monitor else None,
-                "count": self.count, "failures": self.failures, "rejected": self.rejected, "seconds": self.seconds,
-                "pending": self.pending}
+        return {"config": asdict(self.config), "monitor": self.monitor.state_dict(), "count": self.count,
+                "failures": self.failures, "rejected": self.rejected, "seconds": self.seconds, "pending": self.pending}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("monitor") is not None and self.monitor is not None:
+        if state.get("monitor") is not None:
             self.monitor.load_state_dict(state["monitor"])
         self.count, self.failures = int(state.get("count", 0)), int(state.get("failures", 0))
         self.rejected = int(state.get("rejected", 0))

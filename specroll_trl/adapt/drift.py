@@ -1,4 +1,4 @@
-"""``DriftMonitor``: decides when the heads have gone stale for good (SPEC 2.6).
+"""``DriftMonitor``: decides when the heads have gone stale for good.
 
 One window is one generation round. Per head it smooths the acceptance rate and the candidate regret
 (``1 - sum_{c in candidates} p(c)`` at verified nodes) with an EMA, and keeps a reference: the best smoothed

@@ -1,4 +1,4 @@
-"""Medusa-style speculative heads (SPEC 2.1).
+"""Medusa-style speculative heads.
 
 Head ``k`` (1-based) maps the target's final hidden state ``h_t`` (input of ``lm_head``) to
 ``z_k = h_t + SiLU(W_k h_t + b_k)`` (``num_layers`` such residual blocks) and predicts token

@@ -1,4 +1,4 @@
-"""Ragged KV cache over a Hugging Face ``DynamicCache`` (SPEC 2.4).
+"""Ragged KV cache over a Hugging Face ``DynamicCache``.
 
 Rows accept different numbers of tokens per step. After verification each row's accepted tree entries
 are gathered to sit right after the physical end of the cache; rows that accepted fewer carry masked

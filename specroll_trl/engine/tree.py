@@ -1,4 +1,4 @@
-"""Sparse, concurrency-aware draft trees (SPEC 2.2).
+"""Sparse, concurrency-aware draft trees.
 
 Candidates at depth ``d`` come from head ``d``'s top-k. Every candidate path up to depth ``H`` is
 enumerated once into a static table; per step and per row, a path's score is the product of its head

@@ -22,10 +22,10 @@ from .zoo import DEFAULT_PRESET, PRESETS
 
 VARIANTS = {
     "static": {},
-    "reflex": {"spec_reflex": True},
+    "reflex": {"spec_reflex": "lookup"},
     "slow": {"spec_consolidation": True},
-    "both": {"spec_reflex": True, "spec_consolidation": True},
-    "every_round": {"spec_consolidation": True, "spec_consolidation_trigger": "every_round"},
+    "both": {"spec_reflex": "lookup", "spec_consolidation": True},
+    "every_round": {"spec_consolidation": True, "spec_consolidation_kwargs": {"trigger": "every_round"}},
 }
 
 
@@ -98,7 +98,8 @@ def bench_ablation(model_name: str = DEFAULT_PRESET, steps: int = 30, num_genera
                    variants: tuple[str, ...] = (*VARIANTS, "vanilla"), capacity: int | None = None,
                    consolidation: dict | None = None, task: str = "arithmetic",
                    output_dir: str = "runs/bench_ablation", progress: bool = True) -> list[dict]:
-    """One record per variant (SPEC 4 fields plus per-round curves)."""
+    """One record per variant (the documented bench fields plus per-round curves); ``consolidation``: extra
+    ``ConsolidationConfig`` fields for the slow-path variants."""
     from .zoo import build_heads, resolve_policy
 
     unknown = set(variants) - set(VARIANTS) - {"vanilla"}
@@ -111,7 +112,8 @@ def bench_ablation(model_name: str = DEFAULT_PRESET, steps: int = 30, num_genera
     for variant in variants:
         overrides = {} if variant == "vanilla" else dict(VARIANTS[variant])
         if overrides.get("spec_consolidation"):
-            overrides.update(consolidation or {})
+            overrides["spec_consolidation_kwargs"] = {**overrides.get("spec_consolidation_kwargs", {}),
+                                                      **(consolidation or {})}
         record = grpo_run(variant, model_path, heads_path, dataset, overrides, steps, num_generations,
                           prompts_per_step, max_completion_length, learning_rate, capacity, output_dir, progress)
         records.append({**record, "model": model_name, "task": task})

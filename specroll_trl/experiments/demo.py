@@ -17,7 +17,7 @@ from .tasks import task_dataset
 RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOTrainer)
     "vanilla": ("GRPOTrainer", None),
     "spec_static": ("SpecGRPOTrainer, static heads", {}),
-    "spec": ("SpecGRPOTrainer + Reflex + slow path", {"spec_reflex": True, "spec_consolidation": True}),
+    "spec": ("SpecGRPOTrainer + Reflex + slow path", {"spec_reflex": "lookup", "spec_consolidation": True}),
 }
 
 

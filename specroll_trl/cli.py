@@ -10,9 +10,9 @@ from pathlib import Path
 
 
 def _demo(args) -> int:
+    from .adapt.distill import format_hit_table
     from .experiments import zoo
     from .experiments.demo import format_summary, run_demo
-    from .adapt.distill import format_hit_table
 
     start = time.time()
     print(f"[1/4] policy '{args.model}' (built once, then cached under {zoo.zoo_home()})", flush=True)
@@ -46,8 +46,8 @@ def _demo(args) -> int:
 
 
 def _train_heads(args) -> int:
-    from .experiments import zoo
     from .adapt.distill import HeadDistillConfig, distill_heads, format_hit_table
+    from .experiments import zoo
 
     model, tokenizer = zoo.load_policy(args.model)
     config = HeadDistillConfig(
@@ -87,9 +87,7 @@ def _bench(args) -> int:
         return 0
 
     if args.what == "reflex":
-        from .adapt.reflex import ReflexConfig
-
-        variants = {name: ReflexConfig.preset(name) for name in args.variants} if args.variants else None
+        variants = args.variants  # preset names (None: the default pair)
         if args.quick:
             records = bench_reflex(args.model, grpo_steps=4, repeats=1, max_new_tokens=128, capacity=args.capacity,
                                    group=args.group, variants=variants)
@@ -201,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--group", type=int, default=1,
                        help="reflex: completions per prompt in the batch (GRPO's num_generations)")
     bench.add_argument("--variants", nargs="+", default=None,
-                       help="reflex: Reflex presets to compare with static heads (specroll_trl.reflex.PRESETS; "
-                            "default: baseline and the default config)")
+                       help="reflex: Reflex presets to compare with static heads (lookup, lookup-group, baseline, "
+                            "baseline+lookup: specroll_trl.adapt.reflex.REFLEX_PRESETS; default: baseline lookup)")
     bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
     bench.set_defaults(func=_bench)
 

@@ -1,12 +1,13 @@
 """Reflex, SpecRoll's fast path: gradient-free corrections of the heads' proposals along each trajectory.
 
 This module owns the Reflex step hooks and their presets. Hooks compose in a list, the way transformers composes
-logits processors; ``reflex_hooks(preset, **fields)`` builds the lists named in ``REFLEX_PRESETS``:
+logits processors; ``reflex_hooks(preset, **kwargs)`` builds the lists named in ``REFLEX_PRESETS``:
 
 * :class:`HiddenStateReflex` (``"baseline"``): the baseline formulas of the method, a per-(row, head) memory of
   the heads' errors, added to their hidden states behind a reliability gate;
 * :class:`TokenLookup` (``"lookup"``, the default): offers each head the token the row's own history continues
-  with; :class:`GroupTokenLookup` (``"lookup-group"``) also searches the rows sharing the prompt (a GRPO group).
+  with; :class:`GroupTokenLookup` (``"lookup-group"``) also searches the rows sharing the prompt (a GRPO group);
+* ``"baseline+lookup"``: both, the memory moving ``z``, then the lookup mixing into the scores.
 
 Both learn from delayed feedback (:class:`PendingProposals`). State lives per (row, head) for one ``generate``
 call. Hooks only change proposals: the verifier still emits exactly what the target samples.
@@ -57,11 +58,12 @@ class PendingProposals:
 
 
 class ReflexHook(StepHook):
-    """A Reflex hook: ``name`` ``"reflex"`` (the engine reports ``reflex_seconds``) and a config dataclass of type
-    ``config_class``; ``Hook(config, **fields)`` is ``config`` (default: the class default) with ``fields`` replaced."""
+    """Base of the Reflex hooks: ``name`` ``"reflex"`` (the engine reports their time as ``reflex_seconds``) and a
+    config dataclass ``config_class``. ``Hook(config, **overrides)``: ``config`` (default: ``config_class()``) with
+    the given fields replaced, e.g. ``TokenLookup(prior=0.5)``."""
 
     name = "reflex"
-    config_class: type = object
+    config_class: type
 
     def __init__(self, config=None, **overrides):
         if config is not None and not isinstance(config, self.config_class):
@@ -405,16 +407,16 @@ REFLEX_PRESETS: dict[str, list[ReflexHook]] = {
 }
 
 
-def reflex_hooks(preset: str = "lookup", **fields_: object) -> list[StepHook]:
-    """Fresh hooks of a preset in ``REFLEX_PRESETS``, each keyword replacing the config field of that name in every
+def reflex_hooks(preset: str = "lookup", **kwargs) -> list[StepHook]:
+    """Fresh hooks of a preset in ``REFLEX_PRESETS``; each keyword replaces the config field of that name in every
     hook of the preset that has one (e.g. ``reflex_hooks("lookup", prior=0.5)``). Raises ``ValueError`` for an
-    unknown preset, a keyword no hook of the preset takes, or an invalid value."""
+    unknown preset, a keyword no hook of the preset takes, or an invalid value (so it also validates settings)."""
     if preset not in REFLEX_PRESETS:
         raise ValueError(f"unknown reflex preset {preset!r}; choose from {sorted(REFLEX_PRESETS)}")
     templates = REFLEX_PRESETS[preset]
     names = [{f.name for f in fields(hook.config)} for hook in templates]
-    unknown = sorted(set(fields_) - set().union(*names))
-    if unknown:
-        raise ValueError(f"reflex preset {preset!r} takes no {unknown}; it takes {sorted(set().union(*names))}")
-    return [type(hook)(hook.config, **{k: v for k, v in fields_.items() if k in own})
+    accepted = set().union(*names)
+    if unknown := sorted(set(kwargs) - accepted):
+        raise ValueError(f"reflex preset {preset!r} takes no {unknown}; it takes {sorted(accepted)}")
+    return [type(hook)(hook.config, **{k: v for k, v in kwargs.items() if k in own})
             for hook, own in zip(templates, names)]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .heads import lm_head_shape
 from .tree import DraftTree
 
 
@@ -40,7 +41,7 @@ class GenerationContext:
 
     @property
     def hidden_size(self) -> int:
-        return self.lm_head.weight.shape[1]
+        return lm_head_shape(self.lm_head)[1]  # the full shape, also under ZeRO-3 partitioning
 
 
 @dataclass

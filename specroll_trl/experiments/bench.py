@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -260,11 +261,17 @@ def perturbed_policy(model, scale: float = 0.05, seed: int = 0):
 
 def bench_reflex(model_name: str = DEFAULT_PRESET, grpo_steps: int = 8, batch_size: int = 8, repeats: int = 3,
                  max_new_tokens: int = 192, max_nodes: int = 16, capacity: int | None = None,
-                 progress: bool = True, variants: dict | None = None, group: int = 1) -> list[dict]:
+                 progress: bool = True, variants: Sequence[str] | None = None, group: int = 1) -> list[dict]:
     """Reflex off vs on with stale heads: on a GRPO-drifted policy and on a perturbed target (alternating).
 
-    ``variants``: name -> ``ReflexConfig`` compared with static heads (default: the SPEC baseline and the default
-    Reflex); ``group``: generations per prompt in the batch (GRPO's ``num_generations``)."""
+    ``variants``: Reflex presets (``specroll_trl.adapt.reflex.REFLEX_PRESETS``) compared with static heads
+    (default: ``baseline`` and ``lookup``; ``static``, no hooks, always runs); ``group``: generations per prompt in
+    the batch (GRPO's ``num_generations``)."""
+    from ..adapt.reflex import reflex_hooks
+
+    variants = [v for v in dict.fromkeys(variants or ("baseline", "lookup")) if v != "static"]
+    for variant in variants:
+        reflex_hooks(variant)  # an unknown preset fails here, not after the drift run
     drifted = drifted_policy(model_name, grpo_steps)  # trains (needs gradients); the rest only generates
     with torch.no_grad():
         return _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes,
@@ -272,12 +279,10 @@ def bench_reflex(model_name: str = DEFAULT_PRESET, grpo_steps: int = 8, batch_si
 
 
 def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes, capacity,
-                       progress, variants=None, group=1):
+                       progress, variants, group=1):
     from transformers import AutoModelForCausalLM
 
-    from ..adapt.reflex import Reflex, ReflexConfig
-
-    variants = variants or {"reflex-baseline": ReflexConfig.preset("baseline"), "reflex": ReflexConfig()}
+    from ..adapt.reflex import reflex_hooks
 
     base, tokenizer = load_policy(model_name, progress=progress)
     heads = load_heads(model_name, progress=progress)
@@ -298,7 +303,7 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
             torch.manual_seed(r)
             runs["vanilla"].append({"seconds": _vanilla(model, ids, mask, gc)[0]})
             for variant in ("static", *variants):
-                hooks = [Reflex(variants[variant])] if variant in variants else None
+                hooks = reflex_hooks(variant) if variant != "static" else None
                 engine = SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity, hooks=hooks)
                 torch.manual_seed(r)
                 runs[variant].append(engine.generate(ids, mask).stats)

@@ -5,8 +5,9 @@ token committed, the top-K of the target distribution it was sampled from plus t
 ``generate`` call ends it pairs them: head ``d`` at ``h_t`` gets the target of completion index
 ``root + d`` (resolved later than the step that proposed it, exactly as Reflex's delayed feedback) and
 pushes ``(h_t, ids [H, K], probs [H, K], token [H], valid [H])`` into a bounded ring, ``HeadBuffer``.
-It also measures each head's candidate regret ``1 - sum_{c in candidates} p(c)`` at verified nodes, the
-drift monitor's second signal, and per-head acceptance: the monitor reads both per ``generate`` call. Everything is detached; nothing here needs gradients.
+It also measures, per ``generate`` call, each head's acceptance and candidate regret
+``1 - sum_{c in candidates} p(c)`` at verified nodes: the drift monitor's two signals. Everything is detached;
+nothing here needs gradients.
 """
 
 from __future__ import annotations

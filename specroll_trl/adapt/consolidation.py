@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -33,46 +33,36 @@ logger = logging.getLogger(__name__)
 class ConsolidationConfig:
     """Slow-path settings.
 
-    Args:
-        trigger: ``"drift"`` (consolidate when the monitor fires) or ``"every_round"`` (after every generation
-            round, the FastGRPO-style always-train baseline).
-        delta: acceptance drop that counts as drift (``DriftMonitor.delta``).
-        delta_r: candidate-regret rise that counts as drift.
-        patience: consecutive drifted rounds before consolidating.
-        cooldown: rounds ignored after a consolidation.
-        smoothing: EMA factor of the monitored per-round values.
-        buffer_size: tuples kept in the ring buffer.
-        buffer_topk: target probabilities kept per tuple and head.
-        min_buffer: do not consolidate on fewer tuples than this.
-        steps: optimiser steps per consolidation.
-        max_seconds: wall-clock bound per consolidation.
-        batch_size: tuples per optimiser step.
-        lr: Adam learning rate.
-        lambda_nll: weight of cross-entropy on the realised token.
-        mu: weight of the proximal term ``||theta - theta_anchor||^2``.
-        holdout_fraction: share of the buffer kept out of the re-fit; the new heads are kept only if their loss
-            on it improved (otherwise the previous heads are restored: a re-fit that only memorised recent
-            tuples is rejected). 0 disables the check.
-        seed: seeds the minibatch draws.
+    Each field's ``help`` says what it does.
     """
 
-    trigger: str = "drift"
-    delta: float = 0.08
-    delta_r: float = 0.08
-    patience: int = 3
-    cooldown: int = 5
-    smoothing: float = 0.8
-    buffer_size: int = 16384
-    buffer_topk: int = 8
-    min_buffer: int = 2048
-    steps: int = 60
-    max_seconds: float = 30.0
-    batch_size: int = 256
-    lr: float = 3e-3
-    lambda_nll: float = 0.5
-    mu: float = 0.01
-    holdout_fraction: float = 0.1
-    seed: int = 0
+    trigger: str = field(
+        default="drift",
+        metadata={"help": "``'drift'`` (consolidate when the monitor fires) or ``'every_round'`` (after every "
+                          "generation round, the FastGRPO-style always-train baseline)."},
+    )
+    delta: float = field(
+        default=0.08, metadata={"help": "acceptance drop that counts as drift (``DriftMonitor.delta``)."})
+    delta_r: float = field(default=0.08, metadata={"help": "candidate-regret rise that counts as drift."})
+    patience: int = field(default=3, metadata={"help": "consecutive drifted rounds before consolidating."})
+    cooldown: int = field(default=5, metadata={"help": "rounds ignored after a consolidation."})
+    smoothing: float = field(default=0.8, metadata={"help": "EMA factor of the monitored per-round values."})
+    buffer_size: int = field(default=16384, metadata={"help": "tuples kept in the ring buffer."})
+    buffer_topk: int = field(default=8, metadata={"help": "target probabilities kept per tuple and head."})
+    min_buffer: int = field(default=2048, metadata={"help": "do not consolidate on fewer tuples than this."})
+    steps: int = field(default=60, metadata={"help": "optimiser steps per consolidation."})
+    max_seconds: float = field(default=30.0, metadata={"help": "wall-clock bound per consolidation."})
+    batch_size: int = field(default=256, metadata={"help": "tuples per optimiser step."})
+    lr: float = field(default=3e-3, metadata={"help": "Adam learning rate."})
+    lambda_nll: float = field(default=0.5, metadata={"help": "weight of cross-entropy on the realised token."})
+    mu: float = field(default=0.01, metadata={"help": "weight of the proximal term ``||theta - theta_anchor||^2``."})
+    holdout_fraction: float = field(
+        default=0.1,
+        metadata={"help": "share of the buffer kept out of the re-fit; the new heads are kept only if their loss on it "
+                          "improved (otherwise the previous heads are restored: a re-fit that only memorised recent "
+                          "tuples is rejected). 0 disables the check."},
+    )
+    seed: int = field(default=0, metadata={"help": "seeds the minibatch draws."})
 
     def __post_init__(self):
         if self.trigger not in ("drift", "every_round"):

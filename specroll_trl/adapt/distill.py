@@ -21,38 +21,29 @@ from ..engine.heads import SpeculativeHeads, lm_head_of
 class HeadDistillConfig:
     """Self-distillation settings.
 
-    Args:
-        num_heads: heads to build when none are given.
-        num_layers: residual blocks per head.
-        num_samples: completions sampled from the policy (10% held out for hit rates).
-        max_new_tokens: completion length cap when sampling.
-        temperature: rollout temperature; targets are the policy's distributions at this temperature.
-        sample_batch_size: prompts per sampling call.
-        steps: optimiser steps.
-        batch_size: anchor positions per step.
-        lr: Adam learning rate.
-        kl_weight: weight of ``KL(p || q_k)``.
-        nll_weight: weight of cross-entropy on the realised token.
-        max_seconds: stop training early after this many seconds (``None``: no limit).
-        heldout_fraction: share of samples kept for hit rates.
-        seed: seeds sampling and batching.
+    Each field's ``help`` says what it does.
     """
 
-    num_heads: int = 4
-    num_layers: int = 1
-    num_samples: int = 512
-    max_new_tokens: int = 160
-    temperature: float = 1.0
-    sample_batch_size: int = 64
-    steps: int = 600
-    batch_size: int = 1024
-    lr: float = 1e-2
-    kl_weight: float = 1.0
-    nll_weight: float = 1.0
-    max_seconds: float | None = None
-    heldout_fraction: float = 0.1
-    seed: int = 0
-    hit_ks: tuple[int, ...] = field(default=(1, 3, 5))
+    num_heads: int = field(default=4, metadata={"help": "heads to build when none are given."})
+    num_layers: int = field(default=1, metadata={"help": "residual blocks per head."})
+    num_samples: int = field(
+        default=512, metadata={"help": "completions sampled from the policy (10% held out for hit rates)."})
+    max_new_tokens: int = field(default=160, metadata={"help": "completion length cap when sampling."})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "rollout temperature; targets are the policy's distributions at this temperature."},
+    )
+    sample_batch_size: int = field(default=64, metadata={"help": "prompts per sampling call."})
+    steps: int = field(default=600, metadata={"help": "optimiser steps."})
+    batch_size: int = field(default=1024, metadata={"help": "anchor positions per step."})
+    lr: float = field(default=1e-2, metadata={"help": "Adam learning rate."})
+    kl_weight: float = field(default=1.0, metadata={"help": "weight of ``KL(p || q_k)``."})
+    nll_weight: float = field(default=1.0, metadata={"help": "weight of cross-entropy on the realised token."})
+    max_seconds: float | None = field(
+        default=None, metadata={"help": "stop training early after this many seconds (``None``: no limit)."})
+    heldout_fraction: float = field(default=0.1, metadata={"help": "share of samples kept for hit rates."})
+    seed: int = field(default=0, metadata={"help": "seeds sampling and batching."})
+    hit_ks: tuple[int, ...] = field(default=(1, 3, 5), metadata={"help": "the k of the top-k hit rates reported."})
 
     def __post_init__(self):
         if self.temperature <= 0:

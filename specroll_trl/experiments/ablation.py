@@ -38,8 +38,8 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
-    from .rewards import REWARD_FUNCS
     from ..trainer import SpecGRPOConfig, SpecGRPOTrainer
+    from .rewards import REWARD_FUNCS
 
     args = SpecGRPOConfig(
         output_dir=f"{output_dir}/{variant}", max_steps=steps, num_generations=num_generations,

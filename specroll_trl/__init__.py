@@ -25,7 +25,6 @@ from .engine import (
     SpeculativeHeads,
     SpeculativeHeadsConfig,
     StepHook,
-    profile_capacity,
 )
 
 __version__ = "0.1.0"
@@ -57,5 +56,4 @@ __all__ = [
     "StepHook",
     "consolidate_heads",
     "distill_heads",
-    "profile_capacity",
 ]

@@ -13,7 +13,7 @@ from specroll_trl.engine.compat import check_model_supported
 from specroll_trl.engine.generator import SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.engine.kvcache import RaggedCache
-from specroll_trl.engine.capacity import node_budget
+from specroll_trl.engine.budget import node_budget
 from specroll_trl.engine.tree import PathTable, select_tree
 from specroll_trl.experiments.zoo import task_prompt_ids
 

@@ -57,7 +57,6 @@ def small_engine(model=None, **options):
         (dict(max_nodes=2.5), TypeError, "max_nodes must be an int"),
         (dict(topk_per_head=True), TypeError, "topk_per_head must be an int"),
         (dict(capacity=64.0), TypeError, "capacity must be an int"),
-        (dict(capacity_eps=-0.1), ValueError, "capacity_eps"),
         (dict(compact_ratio=0.0), ValueError, "compact_ratio"),
         (dict(compact_ratio=1.5), ValueError, "compact_ratio"),
     ],

@@ -3,15 +3,18 @@
 It imports nothing from TRL, nor from the rest of this package: ``adapt`` and the trainer build on it.
 """
 
-from .capacity import node_budget, profile_capacity
+from .budget import FixedBudget, NodeBudget, OnlineBudget, node_budget
 from .generator import GenerationOutput, GenerationStats, SpeculativeConfig, SpeculativeGenerator
 from .heads import SpeculativeHeads, SpeculativeHeadsConfig
 from .hooks import GenerationContext, StepFeedback, StepHook
 
 __all__ = [
+    "FixedBudget",
     "GenerationContext",
     "GenerationOutput",
     "GenerationStats",
+    "NodeBudget",
+    "OnlineBudget",
     "SpeculativeConfig",
     "SpeculativeGenerator",
     "SpeculativeHeads",
@@ -19,5 +22,4 @@ __all__ = [
     "StepFeedback",
     "StepHook",
     "node_budget",
-    "profile_capacity",
 ]

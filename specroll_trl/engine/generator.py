@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from .capacity import node_budget, profile_capacity
+from .budget import FixedBudget, NodeBudget, OnlineBudget
 from .compat import any_rank_active, check_model_supported, should_sync
 from .heads import SpeculativeHeads, lm_head_of
 from .hooks import GenerationContext, StepFeedback, StepHook
@@ -39,9 +39,9 @@ class SpeculativeConfig:
     Args:
         topk_per_head: candidates each head contributes at its depth (the tree's branching factor).
         max_nodes: ``N_max``, draft nodes per row per step besides the root.
-        capacity: ``C_hw``, query tokens per forward the hardware absorbs at about the cost of one token per
-            row; ``None`` profiles it once per model with :func:`profile_capacity`.
-        capacity_eps: latency tolerance used when profiling ``capacity``.
+        capacity: ``None`` (default): the node budget is learnt online from the engine's own steps
+            (:class:`OnlineBudget`); an int ``C_hw``: query tokens per forward the hardware absorbs at about the cost
+            of one token per row, for the fixed formula ``N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)``.
         return_logprobs: also return the target's ``log_softmax(logits / T)`` of each emitted token.
         compact_ratio: squeeze holes out of the KV cache when they exceed this share of its length.
         fallback_to_generate: on an unsupported model, log and fall back to ``model.generate`` instead of
@@ -56,7 +56,6 @@ class SpeculativeConfig:
     topk_per_head: int = 4
     max_nodes: int = 16
     capacity: int | None = None
-    capacity_eps: float = 0.3
     return_logprobs: bool = False
     compact_ratio: float = 0.25
     fallback_to_generate: bool = False
@@ -73,9 +72,7 @@ class SpeculativeConfig:
         if self.max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
         if self.capacity is not None and self.capacity < 1:
-            raise ValueError(f"capacity (C_hw) must be >= 1 or None (profile), got {self.capacity}")
-        if not self.capacity_eps >= 0:
-            raise ValueError(f"capacity_eps must be >= 0, got {self.capacity_eps}")
+            raise ValueError(f"capacity (C_hw) must be >= 1 or None (online budget), got {self.capacity}")
         if not 0 < self.compact_ratio <= 1:
             raise ValueError(f"compact_ratio must be in (0, 1], got {self.compact_ratio}")
 
@@ -98,7 +95,7 @@ class GenerationStats(Mapping):
         accepted: draft nodes accepted (counted with ``track_expected_acceptance``).
         expected_accepted: their expectation under the target (likewise).
         sync_forwards: throwaway forwards that kept this rank in step with the others.
-        capacity: ``C_hw`` the node budget used.
+        capacity: ``C_hw`` of a fixed budget (``None``: the online budget).
         fallback: the call went through ``model.generate`` (``reason`` says why).
         hook_seconds: wall time spent in each hook, by hook name.
         hook_metrics: what the hooks' ``metrics()`` returned.
@@ -187,6 +184,7 @@ class DecodeState:
     root: torch.Tensor  # [B_t] their roots: sampled, not yet in the cache
     hidden: torch.Tensor  # [B_t, D] the final hidden state that produced each root
     kv: RaggedCache
+    uniforms: torch.Tensor  # [B, max_new] one uniform per completion position: what samples that position
     steps: int = 0
 
 
@@ -213,8 +211,6 @@ class Verification:
 class SpeculativeGenerator:
     """Exact batched speculative sampling with Medusa-style heads and sparse, budgeted trees."""
 
-    _capacity_cache: dict[int, int] = {}
-
     def __init__(self, model, heads: SpeculativeHeads, generation_config: GenerationConfig | None = None,
                  config: SpeculativeConfig | None = None, hooks: list[StepHook] | None = None, **options):
         if config is not None and options:
@@ -230,6 +226,8 @@ class SpeculativeGenerator:
             raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the model's vocab size "
                              f"({heads.config.vocab_size})")
         self.table = PathTable.build(heads.num_heads, self.config.topk_per_head)
+        self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
+                                   else FixedBudget(self.config.capacity, self.config.max_nodes))
         self.supported_error: str | None = None
         try:
             check_model_supported(model)
@@ -238,16 +236,6 @@ class SpeculativeGenerator:
                 raise
             self.supported_error = str(err)
             logger.warning("speculative engine falls back to model.generate: %s", err)
-
-    @property
-    def capacity(self) -> int:
-        if self.config.capacity is not None:
-            return self.config.capacity
-        key = id(self.model)
-        if key not in self._capacity_cache:
-            self._capacity_cache[key] = profile_capacity(self.model, eps=self.config.capacity_eps)
-            logger.info("profiled C_hw = %d query tokens per forward", self._capacity_cache[key])
-        return self._capacity_cache[key]
 
     def _validate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -289,16 +277,18 @@ class SpeculativeGenerator:
         if self.supported_error is not None:
             return self._fallback(input_ids, attention_mask, gen, max_new, start)
         gen.max_new_tokens = max_new
-        stats = GenerationStats(capacity=self.capacity)  # resolved (maybe profiled) before any rank can finish
+        stats = GenerationStats(capacity=self.config.capacity)
         state = self._prefill(input_ids, attention_mask, gen, stats)
         hooks = TimedHooks(self.hooks, stats)
         hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head))
         synced = should_sync(self.model, self.config.synced_gpus)
         while self._has_work(state, synced, stats):
+            step_start = time.perf_counter()
             draft = self._draft(state, hooks, stats)
             verdict = self._verify(state, draft.tree)
             step = self._commit(state, draft, verdict, stats)
             hooks.call("feedback", step)
+            self._observe_budget(draft, step, step_start)
             self._retire(state, step, verdict)
         return self._finish(state, hooks, stats, start)
 
@@ -317,7 +307,8 @@ class SpeculativeGenerator:
         logits = out.logits[:, -1]
         rows = torch.arange(batch, device=device)
         self._check_finite(logits, 0, rows)
-        root, _ = target.sample(target.scores(logits, input_ids, pad_len))
+        uniforms = torch.rand((batch, max_new), device=device, dtype=torch.float64)
+        root, _ = target.sample(target.scores(logits, input_ids, pad_len), uniforms[:, 0])
         completion = torch.zeros((batch, max_new), dtype=torch.long, device=device)
         completion[:, 0] = root
         logprobs = None
@@ -328,7 +319,7 @@ class SpeculativeGenerator:
         state = DecodeState(input_ids, pad_len, target, eos, max_new, completion, logprobs,
                             torch.ones(batch, dtype=torch.long, device=device),
                             torch.zeros(self.heads.num_heads, dtype=torch.long, device=device), rows, root,
-                            out.hidden_states[-1][:, -1], kv)
+                            out.hidden_states[-1][:, -1], kv, uniforms)
         stats.forwards, stats.row_forwards, stats.tokens = 1, batch, batch
         self._keep(state, ~torch.isin(root, eos) & (state.done_len < max_new))
         return state
@@ -348,7 +339,7 @@ class SpeculativeGenerator:
     def _draft(self, state: DecodeState, hooks: TimedHooks, stats: GenerationStats) -> Draft:
         """The heads' candidates (after the hooks' adjustments) and the best ``N_t`` tree nodes per row."""
         active = state.rows.numel()
-        num_nodes = node_budget(stats.capacity, active, self.config.max_nodes)
+        num_nodes = self.budget.choose(active)
         stats.nodes_per_row.append(num_nodes)
         stats.active_rows.append(active)
         if not num_nodes:
@@ -370,7 +361,10 @@ class SpeculativeGenerator:
         node_ids = ignore = None
         if state.target.needs_input_ids:
             node_ids, ignore = self._node_input_ids(state, tree)
-        sampled, probs = state.target.sample(state.target.scores(logits.reshape(active * n, -1), node_ids, ignore))
+        position = (state.done_len[state.rows][:, None] + tree.depth).clamp(max=state.max_new - 1)  # what it samples
+        uniforms = state.uniforms[state.rows[:, None], position].reshape(-1)
+        sampled, probs = state.target.sample(state.target.scores(logits.reshape(active * n, -1), node_ids, ignore),
+                                             uniforms)
         return Verification(logits, out.hidden_states[-1], sampled.view(active, n), probs.view(active, n, -1))
 
     def _commit(self, state: DecodeState, draft: Draft, verdict: Verification,
@@ -409,6 +403,14 @@ class SpeculativeGenerator:
         if self.config.track_expected_acceptance:
             stats.expected_accepted += float(expected_accepted(draft.tree, verdict.probs).sum())
             stats.accepted += int(num_acc.sum())
+
+    def _observe_budget(self, draft: Draft, step: StepFeedback, start: float) -> None:
+        """Report the step to the node budget: its width, wall time and acceptance."""
+        if step.count.is_cuda:
+            torch.cuda.synchronize()
+        accepted = float(((step.accepted >= 0).sum(1) - 1).double().mean())
+        self.budget.observe(step.count.numel(), draft.num_nodes, time.perf_counter() - start, accepted,
+                            draft.tree.path_scores)
 
     def _retire(self, state: DecodeState, step: StepFeedback, verdict: Verification) -> None:
         """Advance every row to its next root (and the hidden state that produced it); drop finished rows."""

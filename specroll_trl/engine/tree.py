@@ -69,6 +69,7 @@ class DraftTree:
     parent: torch.Tensor
     ancestors: torch.Tensor
     path_tokens: torch.Tensor
+    path_scores: torch.Tensor | None = None  # [B, P] log-score of every candidate path (None: nothing drafted)
 
     @property
     def size(self) -> int:
@@ -122,4 +123,4 @@ def select_tree(root: torch.Tensor, topk_ids: torch.Tensor | None, topk_logp: to
     picked_tok = torch.where(on_path[picked_sorted], picked_tok, root[:, None, None])
     path_tokens = torch.cat([root[:, None, None].expand(batch, num_nodes, 1), picked_tok], dim=2)
     root_path = root[:, None, None].expand(batch, 1, num_heads + 1)
-    return DraftTree(tokens, depth, parent, anc, torch.cat([root_path, path_tokens], dim=1))
+    return DraftTree(tokens, depth, parent, anc, torch.cat([root_path, path_tokens], dim=1), score)

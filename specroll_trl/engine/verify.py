@@ -86,15 +86,22 @@ class TargetDistribution:
             proc.prompt_ignore_length = ignore_prefix
         return self.processors(input_ids, scores)
 
-    def sample(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row of processed ``scores [N, V]`` (argmax when not sampling), and ``p`` itself."""
+    def sample(self, scores: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of processed ``scores [N, V]`` (argmax when not sampling), and ``p`` itself.
+
+        Sampling inverts each row's CDF at ``uniforms [N]``. The engine gives every completion position of a row
+        one uniform, shared by all tree nodes that sample that position: along the accepted path each position
+        reads its own fresh uniform once, so every emitted token is an exact draw, and what is emitted does not
+        depend on the tree (nor on the node budget) beyond float rounding at CDF boundaries.
+        """
         if not self.do_sample:
             tokens = scores.argmax(-1)
             return tokens, torch.nn.functional.one_hot(tokens, scores.shape[-1]).float()
         probs = torch.softmax(scores, dim=-1)
-        # Exponential race (argmax p_i / E_i, E_i ~ Exp(1)): an exact categorical sample, cheaper than multinomial.
-        race = torch.empty_like(probs).exponential_(1.0)
-        return (probs / race).argmax(-1), probs
+        cdf = probs.double().cumsum(-1)
+        at = (uniforms.double() * cdf[:, -1])[:, None]
+        tokens = torch.searchsorted(cdf, at, right=True).squeeze(1).clamp(max=scores.shape[-1] - 1)
+        return tokens, probs
 
     def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """What TRL recomputes: ``log_softmax(logits / T)`` in fp32."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from ..engine import SpeculativeGenerator, profile_capacity
+from ..engine import SpeculativeGenerator
 from .zoo import DEFAULT_PRESET, PRESETS, load_heads, load_policy, task_prompt_ids
 
 
@@ -59,9 +59,6 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
     heads = load_heads(model_name, progress=progress)
     task = task or (PRESETS[model_name].task if model_name in PRESETS else "arithmetic")
     gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)
-    if capacity is None:
-        with torch.no_grad():
-            capacity = profile_capacity(model)  # once, outside the timed calls
     modes = {
         "spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity),
         "compaction_only": SpeculativeGenerator(model, heads, gc, max_nodes=0, capacity=capacity),

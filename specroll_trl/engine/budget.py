@@ -1,0 +1,131 @@
+"""The node budget: how many draft nodes per row each decoding step verifies.
+
+``OnlineBudget`` (the default) learns it from the engine's own steps, with no profiling pass:
+
+* cost: per batch-size bucket, the step's wall time against draft nodes per row ``N``,
+  ``t(B, N) = a + d [N > 0] + b N`` (``d``: the draft itself, heads and their vocabulary projection), fitted by
+  exponentially weighted least squares on measured steps, starting from a prior that makes the first step draft;
+* gain: expected committed tokens per row ``g(N) = 1 + k A(N)``, where ``A(N)`` is the mean over rows of the best
+  ``N`` path scores of the tree (the heads' own estimate of each node's acceptance, summed) and ``k`` the observed
+  ratio of realised to predicted accepted nodes;
+* each step takes ``argmax_N g(N) / t(B, N)`` (committed tokens per second), and now and then a neighbour of it,
+  so that the cost of other widths keeps being measured.
+
+``FixedBudget`` is the formula of the method's paper, ``N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)``, for a
+user-set hardware capacity ``C_hw``. Either way the budget changes speed, never what is emitted.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def node_budget(capacity: int, active_rows: int, max_nodes: int) -> int:
+    """``N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)``: draft nodes per row besides the root."""
+    if active_rows <= 0:
+        return 0
+    return max(0, min(capacity // active_rows - 1, max_nodes))
+
+
+class NodeBudget:
+    """Chooses each step's draft nodes per row; the engine reports every step back."""
+
+    def choose(self, active_rows: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, active_rows: int, num_nodes: int, seconds: float, accepted: float,
+                path_scores: torch.Tensor | None) -> None:
+        """One step: its nodes per row, wall seconds, mean accepted draft nodes per row, and (when it drafted) the
+        ``[B, P]`` log-scores of every candidate path (what the tree was chosen from)."""
+
+
+class FixedBudget(NodeBudget):
+    """``node_budget`` with a fixed ``C_hw``."""
+
+    def __init__(self, capacity: int, max_nodes: int):
+        self.capacity, self.max_nodes = capacity, max_nodes
+
+    def choose(self, active_rows: int) -> int:
+        return node_budget(self.capacity, active_rows, self.max_nodes)
+
+
+class OnlineBudget(NodeBudget):
+    """Maximises expected committed tokens per second from measured step times and verified acceptance.
+
+    Args:
+        max_nodes: ``N_max``.
+        prior_capacity: query tokens per forward the prior assumes cost like one (sets the first steps' budget).
+        prior_draft_cost: the prior's cost of drafting, as a share of a plain step.
+        prior_accept: the prior's acceptance of a depth-``d`` chain node, ``prior_accept ** d``.
+        forget: weight kept by older measurements at each new one (exponential forgetting).
+        explore: probability of trying a neighbouring width instead of the best one.
+        seed: seeds the exploration draws (a generator of its own: the sampling stream is untouched).
+    """
+
+    def __init__(self, max_nodes: int, prior_capacity: int = 64, prior_draft_cost: float = 0.1,
+                 prior_accept: float = 0.6, forget: float = 0.97, explore: float = 0.1, seed: int = 0):
+        self.max_nodes = max_nodes
+        self.prior_capacity, self.prior_draft_cost = prior_capacity, prior_draft_cost
+        self.forget, self.explore = forget, explore
+        self.rng = random.Random(seed)
+        nodes = torch.arange(1, max_nodes + 1, dtype=torch.float64)
+        self.gain = torch.cat([torch.zeros(1, dtype=torch.float64), prior_accept ** torch.log2(nodes + 1)]).cumsum(0)
+        self.calibration = 1.0
+        self._predicted = self._realised = 0.0
+        self.fits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (X^T W X, X^T W t)
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def _features(self, nodes: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.ones_like(nodes), (nodes > 0).double(), nodes], dim=-1)
+
+    def cost(self, active_rows: int) -> torch.Tensor:
+        """Predicted step seconds (relative, when nothing was measured yet) for ``N = 0..N_max``."""
+        nodes = torch.arange(self.max_nodes + 1, dtype=torch.float64)
+        fit = self.fits.get(self._bucket(active_rows))
+        prior = torch.tensor([1.0, self.prior_draft_cost, active_rows / self.prior_capacity], dtype=torch.float64)
+        if fit is None:
+            return self._features(nodes) @ prior
+        gram, moment = fit
+        scale = moment[0] / gram[0, 0]  # mean measured seconds: the prior acts in those units
+        ridge = 1e-2 * torch.eye(3, dtype=torch.float64)
+        coef = torch.linalg.solve(gram + ridge, moment + ridge @ (prior * scale))
+        return (self._features(nodes) @ coef).clamp(min=1e-9)
+
+    def choose(self, active_rows: int) -> int:
+        if active_rows <= 0:
+            return 0
+        rate = (1.0 + self.calibration * self.gain) / self.cost(active_rows)
+        best = int(rate.argmax())
+        if self.rng.random() < self.explore:
+            best = self.rng.choice([max(0, best // 2), min(self.max_nodes, max(1, 2 * best))])
+        return best
+
+    def observe(self, active_rows, num_nodes, seconds, accepted, path_scores):
+        bucket = self._bucket(active_rows)
+        x = self._features(torch.tensor(float(num_nodes), dtype=torch.float64))
+        gram, moment = self.fits.get(bucket, (torch.zeros(3, 3, dtype=torch.float64),
+                                              torch.zeros(3, dtype=torch.float64)))
+        self.fits[bucket] = (self.forget * gram + torch.outer(x, x), self.forget * moment + x * seconds)
+        if path_scores is None or num_nodes == 0:
+            return
+        k = min(self.max_nodes, path_scores.shape[-1])
+        best = path_scores.double().topk(k, dim=-1).values.exp().cumsum(-1).mean(0)  # A(N) for N = 1..k
+        curve = torch.cat([torch.zeros(1, dtype=torch.float64), best,
+                           best[-1].expand(self.max_nodes - k)])  # no more candidates past k
+        self.gain = 0.8 * self.gain + 0.2 * curve
+        self._predicted = self.forget * self._predicted + float(curve[num_nodes])
+        self._realised = self.forget * self._realised + accepted
+        self.calibration = self._realised / max(self._predicted, 1e-9)
+
+    def state(self) -> dict:
+        """What the budget currently believes (for logging and tests)."""
+        return {"calibration": self.calibration, "gain": self.gain.tolist(),
+                "buckets": sorted(self.fits), "prior_capacity": self.prior_capacity}
+
+
+__all__ = ["FixedBudget", "NodeBudget", "OnlineBudget", "node_budget"]

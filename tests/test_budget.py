@@ -1,0 +1,91 @@
+"""The node budget: the online controller drafts from the first step, learns what pays, and never changes what is
+emitted; the fixed formula stays available."""
+
+import torch
+from transformers import GenerationConfig
+
+from specroll_trl.engine.budget import FixedBudget, OnlineBudget, node_budget
+from specroll_trl.engine.generator import SpeculativeGenerator
+
+from .test_engine import nano_sampling_inputs
+
+
+def test_fixed_budget_is_the_formula():
+    budget = FixedBudget(capacity=64, max_nodes=16)
+    assert [budget.choose(b) for b in (1, 4, 8, 32, 64)] == [node_budget(64, b, 16) for b in (1, 4, 8, 32, 64)]
+    assert budget.choose(64) == 0 and budget.choose(4) == 15
+
+
+def test_online_budget_drafts_from_the_first_step_without_measurements():
+    budget = OnlineBudget(max_nodes=16, explore=0.0)
+    assert budget.choose(1) > 0 and budget.choose(8) > 0
+    assert budget.choose(1) >= budget.choose(64)  # the prior already shrinks trees as the batch grows
+
+
+def _feed(budget, rows, seconds_of, accept_of, steps=200, num_paths=64):
+    """Run the controller against a synthetic machine: step time ``seconds_of(N)``, and heads whose candidate paths
+    are accepted with probabilities ``accept_of(P)`` (the path scores say so, and the realised acceptance agrees)."""
+    scores = torch.log(accept_of(num_paths))[None].expand(rows, -1)
+    chosen = []
+    for _ in range(steps):
+        n = budget.choose(rows)
+        accepted = float(accept_of(num_paths).sort(descending=True).values[:n].sum()) if n else 0.0
+        budget.observe(rows, n, seconds_of(n), accepted, scores if n else None)
+        chosen.append(n)
+    return chosen
+
+
+def test_online_budget_stops_drafting_when_verification_is_expensive():
+    budget = OnlineBudget(max_nodes=16, explore=0.1, seed=0)
+    weak = lambda p: torch.full((p,), 0.02)  # noqa: E731  (heads that are almost never accepted)
+    chosen = _feed(budget, 8, seconds_of=lambda n: 1.0 + 0.3 * (n > 0) + 0.1 * n, accept_of=weak)
+    assert sum(c == 0 for c in chosen[-50:]) >= 40  # only exploration still drafts
+
+
+def test_online_budget_grows_trees_when_verification_is_nearly_free():
+    budget = OnlineBudget(max_nodes=16, explore=0.1, seed=0)
+    good = lambda p: 0.9 ** torch.arange(1, p + 1, dtype=torch.float64)  # noqa: E731
+    chosen = _feed(budget, 1, seconds_of=lambda n: 1.0 + 0.02 * (n > 0) + 0.005 * n, accept_of=good)
+    assert sorted(chosen[-50:])[25] >= 12  # the median late choice is a large tree
+    assert abs(budget.calibration - 1.0) < 0.05  # realised acceptance matched the heads' own estimate
+
+
+def test_emitted_tokens_do_not_depend_on_the_budget(nano):
+    """One uniform per completion position: the tree (and so the budget) changes speed, not the sample."""
+    model, _, heads = nano
+    _, ids, mask, gc = nano_sampling_inputs(nano, 12, seed=901, temperature=1.0, max_new_tokens=64)
+    outputs = []
+    for options in (dict(capacity=12, max_nodes=0), dict(capacity=48, max_nodes=3), dict(capacity=1024, max_nodes=16),
+                    dict(capacity=None)):
+        torch.manual_seed(7)
+        outputs.append(SpeculativeGenerator(model, heads, gc, **options).generate(ids, mask))
+    reference = outputs[0].completion_ids
+    assert outputs[2].stats["tau"] > 1.5 * outputs[0].stats["tau"]  # very different trees...
+    for out in outputs[1:]:
+        assert out.completion_ids == reference  # ...the same completions
+    torch.manual_seed(8)
+    other = SpeculativeGenerator(model, heads, gc, capacity=None).generate(ids, mask)
+    assert other.completion_ids != reference  # the seed, not the engine, decides the sample
+
+
+def test_online_budget_learns_inside_the_engine(nano):
+    model, _, heads = nano
+    _, ids, mask, gc = nano_sampling_inputs(nano, 8, seed=902, temperature=1.0, max_new_tokens=48)
+    engine = SpeculativeGenerator(model, heads, gc, max_nodes=16)
+    assert isinstance(engine.budget, OnlineBudget)
+    first = engine.generate(ids, mask).stats
+    assert first.nodes_per_row[0] > 0  # drafts from the very first step: no profiling pass
+    for _ in range(2):
+        engine.generate(ids, mask)
+    state = engine.budget.state()
+    assert state["buckets"] and 0.2 < state["calibration"] < 5.0
+
+
+def test_greedy_output_is_the_same_under_any_budget(nano):
+    model, tokenizer, heads = nano
+    _, ids, mask, _ = nano_sampling_inputs(nano, 6, seed=903)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=40, eos_token_id=model.generation_config.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    online = SpeculativeGenerator(model, heads, gc).generate(ids, mask).completion_ids
+    fixed = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=8).generate(ids, mask).completion_ids
+    assert online == fixed

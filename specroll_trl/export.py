@@ -3,7 +3,7 @@
 vLLM's Medusa draft model (``vllm/model_executor/models/medusa.py``, config class in
 ``vllm/transformers_utils/configs/medusa.py``) computes, for block ``i`` and layer ``j``,
 ``x = x + SiLU(W_ij x + b_ij)`` on the target's last hidden state and projects every block through an
-lm head. That is exactly our head ``i + 1`` (SPEC 2.1), so the weights map one to one:
+lm head. That is exactly our head ``i + 1``, so the weights map one to one:
 
 =====================================  ==========================================
 ours (``model.safetensors``)           vLLM Medusa checkpoint
@@ -12,6 +12,8 @@ ours (``model.safetensors``)           vLLM Medusa checkpoint
 ``heads.{i}.{j}.linear.bias``          ``blocks.{i}.layers.{j}.bias`` (``medusa_fc_bias: true``)
 target ``lm_head.weight`` (shared)     ``lm_heads.0.weight`` (``original_lm_head: true``) or
                                        ``lm_heads.{i}.weight`` for every ``i`` (one copy per head)
+draft vocabulary ``draft_ids``           ``token_map`` with ``truncated_vocab_size``, and the
+                                       lm head holds only those rows
 =====================================  ==========================================
 
 vLLM feeds the blocks the hidden state whose target logits produced the last sampled token ``x_{t+1}`` and
@@ -78,9 +80,12 @@ def export_vllm(
             for kind in ("weight", "bias"):
                 tensors[f"blocks.{i}.layers.{j}.{kind}"] = state[f"heads.{i}.{j}.linear.{kind}"]
     lm_names = ["lm_heads.0.weight"] if share_lm_head else [f"lm_heads.{i}.weight" for i in range(heads.num_heads)]
-    for name in lm_names:
-        tensors[name] = lm_weight
+    draft_ids = getattr(heads, "draft_ids", None)
+    for name in lm_names:  # a draft vocabulary exports as vLLM's truncated vocabulary: its rows plus the id map
+        tensors[name] = lm_weight if draft_ids is None else lm_weight[draft_ids.cpu()]
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous().clone() for name, t in tensors.items()}
+    if draft_ids is not None:
+        tensors["token_map"] = draft_ids.detach().cpu().long().contiguous().clone()
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(medusa_config(heads, dtype, share_lm_head), indent=2) + "\n")
     return out
@@ -96,7 +101,7 @@ def medusa_config(heads: SpeculativeHeads, dtype: torch.dtype, share_lm_head: bo
         "vocab_size": heads.config.vocab_size,
         "num_heads": heads.config.num_heads,
         "num_hidden_layers": heads.config.num_layers,
-        "truncated_vocab_size": heads.config.vocab_size,
+        "truncated_vocab_size": heads.config.draft_vocab_size or heads.config.vocab_size,
         "medusa_fc_bias": True,
         "original_lm_head": share_lm_head,
         "torch_dtype": str(dtype).removeprefix("torch."),

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.nn import functional as F
 from transformers import TrainerCallback
 
+from ..engine.heads import VocabProjection
 from .buffer import BufferCapture, HeadBuffer
 from .drift import DriftMonitor
 
@@ -98,13 +98,17 @@ class ConsolidationReport:
     reason: str = ""
 
 
-def consolidation_loss(heads, lm_weight: torch.Tensor, batch, lambda_nll: float) -> torch.Tensor:
-    """Mean over valid (tuple, head) pairs of ``KL(p || q) + lambda_nll * CE(token)``, ``p`` on its top-K."""
+def consolidation_loss(heads, projection: VocabProjection, batch, lambda_nll: float) -> torch.Tensor:
+    """Mean over valid (tuple, head) pairs of ``KL(p || q) + lambda_nll * CE(token)``, ``p`` on its top-K within the
+    heads' vocabulary (renormalised there)."""
     hidden, ids, probs, tokens, valid = batch
-    logq = torch.log_softmax(F.linear(heads(hidden), lm_weight).float(), dim=-1)  # [N, H, V]
-    p = probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
-    kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, ids))).sum(-1)
-    nll = -logq.gather(-1, tokens[..., None]).squeeze(-1)
+    logq = torch.log_softmax(projection(heads(hidden)).float(), dim=-1)  # [N, H, V]
+    index = projection.index_of(ids)
+    p = probs * (index >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+    kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, index.clamp(min=0)))).sum(-1)
+    realised = projection.index_of(tokens)
+    nll = -logq.gather(-1, realised.clamp(min=0)[..., None]).squeeze(-1) * (realised >= 0)
     weight = valid.float()
     return ((kl + lambda_nll * nll) * weight).sum() / weight.sum().clamp(min=1)
 
@@ -122,7 +126,8 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
                                    reason=f"buffer holds {len(buffer)} tuples, fewer than {config.min_buffer}")
     backup = {k: v.detach().clone() for k, v in heads.state_dict().items()}
     anchor = [p.detach().clone() for p in params]
-    weight = lm_head.weight.detach()
+    projection = heads.projection(lm_head)  # the shared lm_head: read, never updated
+    weight = lm_head.weight
     device = weight.device
     generator = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(buffer), generator=generator)
@@ -136,7 +141,7 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
 
     def heldout_loss() -> float:
         with torch.no_grad():
-            return float(consolidation_loss(heads, weight, on_device(buffer.take(held[:4096])), config.lambda_nll))
+            return float(consolidation_loss(heads, projection, on_device(buffer.take(held[:4096])), config.lambda_nll))
 
     optimizer = torch.optim.Adam(params, lr=config.lr)
     was_training = heads.training
@@ -148,7 +153,7 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
         with torch.enable_grad():
             for step in range(config.steps):
                 batch = on_device(buffer.sample(config.batch_size, generator, among=train))
-                fit = consolidation_loss(heads, weight, batch, config.lambda_nll)
+                fit = consolidation_loss(heads, projection, batch, config.lambda_nll)
                 proximal = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
                 loss = fit + config.mu * proximal
                 if not torch.isfinite(loss):

@@ -1,9 +1,11 @@
 """Head distillation: fit speculative heads to the policy's own samples (backbone frozen).
 
-The policy samples completions at the rollout temperature; one forward over each sequence gives the
-final hidden states ``h_t`` and, through the shared ``lm_head``, the target's distribution at every
-position. Head ``k`` at anchor ``t`` is trained towards the target's distribution of ``x_{t+1+k}``
-(computed at position ``t+k``) with a KL term plus cross-entropy on the realised token.
+The policy samples completions at the rollout temperature; one teacher-forced forward over each sequence (its own
+samples, and optionally existing text) gives the final hidden states ``h_t`` and the top-K of the target's
+distribution at every position, kept once so training never projects through the full vocabulary again. Head
+``k`` at anchor ``t`` is trained towards the target's distribution of ``x_{t+1+k}`` (at position ``t+k``,
+renormalised on its top-K within the heads' vocabulary) with a KL term plus cross-entropy on the realised token.
+With ``draft_vocab_size`` the heads get a draft vocabulary: the tokens most frequent in those sequences.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..engine.heads import SpeculativeHeads, lm_head_of
+from ..engine.heads import SpeculativeHeads, VocabProjection, lm_head_of
 
 
 @dataclass
@@ -44,29 +46,39 @@ class HeadDistillConfig:
     heldout_fraction: float = field(default=0.1, metadata={"help": "share of samples kept for hit rates."})
     seed: int = field(default=0, metadata={"help": "seeds sampling and batching."})
     hit_ks: tuple[int, ...] = field(default=(1, 3, 5), metadata={"help": "the k of the top-k hit rates reported."})
+    target_topk: int = field(default=32, metadata={"help": "target probabilities kept per position (top-K)."})
+    draft_vocab_size: int = field(
+        default=0, metadata={"help": "draft vocabulary of new heads: the most frequent tokens (0: whole vocabulary)."})
 
     def __post_init__(self):
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 for self-distillation, got {self.temperature}")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
-        for name in ("num_samples", "steps", "batch_size", "max_new_tokens", "sample_batch_size"):
+        for name in ("num_samples", "steps", "batch_size", "max_new_tokens", "sample_batch_size", "target_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.target_topk < max(self.hit_ks):
+            raise ValueError(f"target_topk ({self.target_topk}) must be >= the largest hit k ({max(self.hit_ks)})")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
 
 
 @dataclass
 class TokenStream:
-    """Flattened sequences: final hidden states, token ids, and which positions are anchors.
+    """Flattened sequences: final hidden states, token ids, which positions are anchors, and the target's top-K.
 
     ``anchor_ok[i]`` marks positions whose next token is a completion token; head ``k`` at anchor ``i``
     is defined when ``i + k + 1`` is still inside the same sequence (``seq_end[i]`` is exclusive).
+    ``top_ids[i]`` / ``top_probs[i]``: the top-K of the target's distribution of token ``i + 1``.
     """
 
     hidden: torch.Tensor  # [N, D]
     ids: torch.Tensor  # [N]
     anchor_ok: torch.Tensor  # [N] bool
     seq_end: torch.Tensor  # [N]
+    top_ids: torch.Tensor  # [N, K]
+    top_probs: torch.Tensor  # [N, K]
 
     def targets(self, anchors: torch.Tensor, num_heads: int):
         """Per (anchor, head): target position ``t+k``, realised token ``x_{t+1+k}``, validity mask."""
@@ -76,6 +88,13 @@ class TokenStream:
         pos = torch.where(valid, pos, anchors[:, None])
         token = self.ids[torch.where(valid, pos + 1, anchors[:, None])]
         return pos, token, valid
+
+    @staticmethod
+    def concat(streams: list[TokenStream]) -> TokenStream:
+        offsets = torch.tensor([0] + [len(s.ids) for s in streams[:-1]]).cumsum(0)
+        return TokenStream(*(torch.cat([getattr(s, f) for s in streams]) for f in ("hidden", "ids", "anchor_ok")),
+                           torch.cat([s.seq_end + o for s, o in zip(streams, offsets)]),
+                           *(torch.cat([getattr(s, f) for s in streams]) for f in ("top_ids", "top_probs")))
 
 
 @torch.no_grad()
@@ -103,21 +122,25 @@ def sample_sequences(model, prompt_ids: list[list[int]], config: HeadDistillConf
 
 
 @torch.no_grad()
-def build_stream(model, pairs: list[tuple[list[int], list[int]]], batch_size: int = 32) -> TokenStream:
-    """Run the frozen policy over each sequence and keep its final hidden states."""
+def build_stream(model, pairs: list[tuple[list[int], list[int]]], temperature: float = 1.0, topk: int = 32,
+                 batch_size: int = 8, chunk: int = 2048) -> TokenStream:
+    """Run the frozen policy over each ``(prompt, completion)`` and keep its final hidden states and the top-``topk``
+    of its distribution at ``temperature`` at every position."""
     device = next(model.parameters()).device
-    hidden, ids, anchor_ok, seq_end = [], [], [], []
+    lm_head = lm_head_of(model)
+    hidden, ids, anchor_ok, seq_end, top_ids, top_probs = [], [], [], [], [], []
     offset = 0
     for i in range(0, len(pairs), batch_size):
-        chunk = pairs[i : i + batch_size]
-        width = max(len(p) + len(c) for p, c in chunk)
-        batch = torch.zeros((len(chunk), width), dtype=torch.long, device=device)
+        batch_pairs = pairs[i : i + batch_size]
+        width = max(len(p) + len(c) for p, c in batch_pairs)
+        batch = torch.zeros((len(batch_pairs), width), dtype=torch.long, device=device)
         mask = torch.zeros_like(batch)
-        for j, (p, c) in enumerate(chunk):
+        for j, (p, c) in enumerate(batch_pairs):
             batch[j, : len(p) + len(c)] = torch.tensor(p + c)
             mask[j, : len(p) + len(c)] = 1
-        h = model(input_ids=batch, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
-        for j, (p, c) in enumerate(chunk):
+        h = model(input_ids=batch, attention_mask=mask, output_hidden_states=True,
+                  logits_to_keep=1).hidden_states[-1]
+        for j, (p, c) in enumerate(batch_pairs):
             n = len(p) + len(c)
             hidden.append(h[j, :n].float().cpu())
             ids.append(batch[j, :n].cpu())
@@ -126,42 +149,65 @@ def build_stream(model, pairs: list[tuple[list[int], list[int]]], batch_size: in
             anchor_ok.append(ok)
             seq_end.append(torch.full((n,), offset + n))
             offset += n
-    return TokenStream(torch.cat(hidden), torch.cat(ids), torch.cat(anchor_ok), torch.cat(seq_end))
+            for a in range(0, n, chunk):  # the full-vocabulary projection, once per position, in chunks
+                probs = torch.softmax(lm_head(h[j, a : min(n, a + chunk)]).float() / temperature, dim=-1)
+                values, index = probs.topk(min(topk, probs.shape[-1]), dim=-1)
+                top_ids.append(index.cpu())
+                top_probs.append(values.cpu())
+    return TokenStream(torch.cat(hidden), torch.cat(ids), torch.cat(anchor_ok), torch.cat(seq_end),
+                       torch.cat(top_ids), torch.cat(top_probs))
 
 
-def head_losses(heads: SpeculativeHeads, lm_head, stream: TokenStream, anchors: torch.Tensor,
-                temperature: float, kl_weight: float, nll_weight: float) -> torch.Tensor:
-    """Per-head mean of ``kl_weight * KL(p || q_k) + nll_weight * CE(x_{t+1+k})`` over valid anchors."""
-    device = lm_head.weight.device
+def draft_vocabulary(stream: TokenStream, size: int, always: list[int]) -> torch.Tensor:
+    """The ``size`` tokens most frequent in ``stream`` (its tokens and the target's top-1 predictions), plus
+    ``always`` (e.g. the eos ids); fewer when the stream has fewer distinct tokens."""
+    seen = torch.cat([stream.ids, stream.top_ids[:, 0], stream.ids.new_tensor(always)])
+    counts = torch.bincount(seen)
+    counts[stream.ids.new_tensor(always)] = counts.max() + 1
+    order = counts.argsort(descending=True, stable=True)
+    return order[: min(size, int((counts > 0).sum()))].sort().values
+
+
+def head_losses(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, anchors: torch.Tensor,
+                kl_weight: float, nll_weight: float) -> torch.Tensor:
+    """Per-head mean of ``kl_weight * KL(p || q_k) + nll_weight * CE(x_{t+1+k})`` over valid anchors, ``p`` the
+    target's top-K renormalised within the heads' vocabulary."""
+    device = projection.lm_head.weight.device
     pos, token, valid = stream.targets(anchors, heads.num_heads)
-    h = stream.hidden[anchors].to(device)
-    with torch.no_grad():
-        target_logp = torch.log_softmax(lm_head(stream.hidden[pos].to(device)).float() / temperature, dim=-1)
-    logq = torch.log_softmax(heads.logits(h, lm_head).float(), dim=-1)
-    kl = (target_logp.exp() * (target_logp - logq)).sum(-1)
-    nll = -logq.gather(-1, token.to(device)[..., None]).squeeze(-1)
+    logq = torch.log_softmax(projection(heads(stream.hidden[anchors].to(device))).float(), dim=-1)
+    index = projection.index_of(stream.top_ids[pos].to(device))  # [A, H, K]
+    p = stream.top_probs[pos].to(device) * (index >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+    kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, index.clamp(min=0)))).sum(-1)
+    realised = projection.index_of(token.to(device))
+    nll = -logq.gather(-1, realised.clamp(min=0)[..., None]).squeeze(-1) * (realised >= 0)
     per = (kl_weight * kl + nll_weight * nll) * valid.to(device)
     return per.sum(0) / valid.sum(0).clamp(min=1).to(device)
 
 
 @torch.no_grad()
-def head_hit_rates(heads: SpeculativeHeads, lm_head, stream: TokenStream, ks=(1, 3, 5),
-                   chunk: int = 4096) -> list[dict[int, float]]:
-    """Per head, the share of anchors whose realised ``x_{t+1+k}`` is in the head's top-k."""
+def head_hit_rates(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, ks=(1, 3, 5),
+                   chunk: int = 4096) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
+    """Per head: the share of anchors whose realised ``x_{t+1+k}`` is in the head's top-k, and the target's own
+    top-k probability mass there (what any draft of k candidates is accepted at, on average)."""
     anchors = stream.anchor_ok.nonzero().squeeze(-1)
     hits = torch.zeros(heads.num_heads, len(ks))
+    mass = torch.zeros(heads.num_heads, len(ks))
     counts = torch.zeros(heads.num_heads)
-    device = lm_head.weight.device
+    device = projection.lm_head.weight.device
     for i in range(0, len(anchors), chunk):
         a = anchors[i : i + chunk]
-        _, token, valid = stream.targets(a, heads.num_heads)
-        top = heads.logits(stream.hidden[a].to(device), lm_head).topk(max(ks), dim=-1).indices.cpu()
-        match = top == token[..., None]
+        pos, token, valid = stream.targets(a, heads.num_heads)
+        top = projection(heads(stream.hidden[a].to(device))).topk(max(ks), dim=-1).indices
+        match = projection.target_ids(top).cpu() == token[..., None]
+        cumulative = stream.top_probs[pos].cumsum(-1)
         for j, k in enumerate(ks):
             hits[:, j] += (match[..., :k].any(-1) & valid).sum(0)
+            mass[:, j] += (cumulative[..., k - 1] * valid).sum(0)
         counts += valid.sum(0)
-    rates = hits / counts.clamp(min=1)[:, None]
-    return [{k: float(rates[h, j]) for j, k in enumerate(ks)} for h in range(heads.num_heads)]
+    hits, mass = hits / counts.clamp(min=1)[:, None], mass / counts.clamp(min=1)[:, None]
+    return ([{k: float(hits[h, j]) for j, k in enumerate(ks)} for h in range(heads.num_heads)],
+            [{k: float(mass[h, j]) for j, k in enumerate(ks)} for h in range(heads.num_heads)])
 
 
 def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream, config: HeadDistillConfig,
@@ -173,14 +219,14 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
     optimizer = torch.optim.Adam(params, lr=config.lr)
     anchors = stream.anchor_ok.nonzero().squeeze(-1)
     gen = torch.Generator().manual_seed(config.seed)
+    projection = heads.projection(lm_head)
     start = time.time()
     heads.train()
     bar = tqdm(range(config.steps), desc="distilling heads", disable=not progress)
     steps_done, loss = 0, torch.tensor(float("nan"))
     for _ in bar:
         batch = anchors[torch.randint(len(anchors), (config.batch_size,), generator=gen)]
-        loss = head_losses(heads, lm_head, stream, batch, config.temperature, config.kl_weight,
-                           config.nll_weight).sum()
+        loss = head_losses(heads, projection, stream, batch, config.kl_weight, config.nll_weight).sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"head distillation loss became {loss.item()} at step {steps_done}")
         optimizer.zero_grad(set_to_none=True)
@@ -195,31 +241,47 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
 
 
 def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config: HeadDistillConfig | None = None,
-                  heads: SpeculativeHeads | None = None, progress: bool = True):
+                  heads: SpeculativeHeads | None = None, progress: bool = True,
+                  text_pairs: list[tuple[list[int], list[int]]] | None = None):
     """Sample the policy on ``prompt_ids``, fit heads, and measure held-out hit rates.
 
-    Returns ``(heads, report)``; ``report["hit_rates"][k-1][j]`` is head ``k``'s top-``j`` hit rate.
+    ``text_pairs``: extra ``(prompt, completion)`` token ids of existing text, teacher-forced into the training
+    stream (a forward over text is far cheaper per token than sampling it). Returns ``(heads, report)``;
+    ``report["hit_rates"][k-1][j]`` is head ``k``'s top-``j`` hit rate, ``report["target_mass"][k-1][j]`` the
+    target's own top-``j`` probability mass at those positions.
     """
     config = config or HeadDistillConfig()
     for p in model.parameters():
         p.requires_grad_(False)
     lm_head = lm_head_of(model)
-    if heads is None:
-        heads = SpeculativeHeads.from_model(model, num_heads=config.num_heads, num_layers=config.num_layers)
-        heads.float()
-    heads.check_compatible(model)
     start = time.time()
     pairs = sample_sequences(model, prompt_ids[: config.num_samples], config, pad_token_id, progress)
     n_heldout = max(1, int(len(pairs) * config.heldout_fraction))
-    train_stream = build_stream(model, pairs[n_heldout:])
-    heldout_stream = build_stream(model, pairs[:n_heldout])
+    streams = [build_stream(model, pairs[n_heldout:], config.temperature, config.target_topk)]
+    if text_pairs:
+        streams.append(build_stream(model, text_pairs, config.temperature, config.target_topk))
+    train_stream = TokenStream.concat(streams)
+    heldout_stream = build_stream(model, pairs[:n_heldout], config.temperature, config.target_topk)
     sampling_seconds = time.time() - start
+    if heads is None:
+        draft_ids = None
+        if config.draft_vocab_size:
+            eos = model.generation_config.eos_token_id
+            draft_ids = draft_vocabulary(train_stream, config.draft_vocab_size,
+                                         list(eos) if isinstance(eos, (list, tuple)) else [eos])
+        heads = SpeculativeHeads.from_model(model, num_heads=config.num_heads, num_layers=config.num_layers,
+                                            draft_ids=draft_ids)
+        heads.float()
+    heads.check_compatible(model)
     report = train_heads_on_stream(heads, lm_head, train_stream, config, progress)
+    hit_rates, target_mass = head_hit_rates(heads, heads.projection(lm_head), heldout_stream, config.hit_ks)
     report.update(
         sampling_seconds=sampling_seconds,
         train_tokens=int(train_stream.anchor_ok.sum()),
         heldout_tokens=int(heldout_stream.anchor_ok.sum()),
-        hit_rates=head_hit_rates(heads, lm_head, heldout_stream, config.hit_ks),
+        hit_rates=hit_rates,
+        target_mass=target_mass,
+        draft_vocab_size=heads.config.draft_vocab_size,
         mean_completion_tokens=sum(len(c) for _, c in pairs) / len(pairs),
     )
     return heads, report

@@ -245,6 +245,7 @@ class TokenLookup(ReflexHook):
         prompt = torch.where(context.attention_mask.bool(), context.input_ids, -1)
         b, h, device = context.batch_size, context.num_heads, context.lm_head.weight.device
         self.heads = h
+        self.projection = context.projection
         self.offset = prompt.shape[1]  # completion index i lives at history position offset + i
         # [B, L] prompt (its padding -1) + completion, -1 where unknown; grows on demand
         self.history = torch.cat([prompt, torch.full_like(prompt[:, :1], -1).expand(-1, 256)], dim=1).clone()
@@ -279,9 +280,11 @@ class TokenLookup(ReflexHook):
 
     @torch.no_grad()
     def adjust_logprobs(self, rows, logp):
-        self._offered = offer = self.offers(rows)
+        offer = self.offers(rows)
+        index = self.projection.index_of(offer)  # where logp holds it (-1: outside the heads' draft vocabulary)
+        self._offered = offer = torch.where(index >= 0, offer, -1)
         w = (self.rate[rows] * (offer >= 0))[..., None]  # [B, H, 1]
-        idx = offer.clamp(min=0)[..., None]
+        idx = index.clamp(min=0)[..., None]
         keep = 1 - w
         # log((1 - w) q + w onehot): the looked-up token's score, log(1 - w) added to every other one
         at = (logp.gather(-1, idx).exp() * keep + w).clamp(min=1e-30).log()

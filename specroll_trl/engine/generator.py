@@ -23,7 +23,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from .budget import FixedBudget, NodeBudget, OnlineBudget
 from .compat import any_rank_active, check_model_supported, should_sync
-from .heads import SpeculativeHeads, lm_head_of
+from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import GenerationContext, StepFeedback, StepHook
 from .kvcache import RaggedCache
 from .tree import DraftTree, PathTable, select_tree
@@ -185,6 +185,7 @@ class DecodeState:
     hidden: torch.Tensor  # [B_t, D] the final hidden state that produced each root
     kv: RaggedCache
     uniforms: torch.Tensor  # [B, max_new] one uniform per completion position: what samples that position
+    projection: VocabProjection  # the heads' vocabulary projection for this call
     steps: int = 0
 
 
@@ -222,9 +223,10 @@ class SpeculativeGenerator:
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
         self.lm_head = lm_head_of(model)
         heads.check_compatible(model)
-        if self.config.topk_per_head > heads.config.vocab_size:
-            raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the model's vocab size "
-                             f"({heads.config.vocab_size})")
+        proposable = heads.config.draft_vocab_size or heads.config.vocab_size
+        if self.config.topk_per_head > proposable:
+            raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the heads' vocab size "
+                             f"({proposable})")
         self.table = PathTable.build(heads.num_heads, self.config.topk_per_head)
         self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
                                    else FixedBudget(self.config.capacity, self.config.max_nodes))
@@ -280,7 +282,8 @@ class SpeculativeGenerator:
         stats = GenerationStats(capacity=self.config.capacity)
         state = self._prefill(input_ids, attention_mask, gen, stats)
         hooks = TimedHooks(self.hooks, stats)
-        hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head))
+        hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head,
+                                              state.projection))
         synced = should_sync(self.model, self.config.synced_gpus)
         while self._has_work(state, synced, stats):
             step_start = time.perf_counter()
@@ -319,7 +322,7 @@ class SpeculativeGenerator:
         state = DecodeState(input_ids, pad_len, target, eos, max_new, completion, logprobs,
                             torch.ones(batch, dtype=torch.long, device=device),
                             torch.zeros(self.heads.num_heads, dtype=torch.long, device=device), rows, root,
-                            out.hidden_states[-1][:, -1], kv, uniforms)
+                            out.hidden_states[-1][:, -1], kv, uniforms, self.heads.projection(self.lm_head))
         stats.forwards, stats.row_forwards, stats.tokens = 1, batch, batch
         self._keep(state, ~torch.isin(root, eos) & (state.done_len < max_new))
         return state
@@ -345,8 +348,9 @@ class SpeculativeGenerator:
         if not num_nodes:
             return Draft(select_tree(state.root, None, None, self.table, 0), 0, None, None)
         z = hooks.chain("adjust", state.rows, self.heads(state.hidden))  # [B, H, D]
-        head_logp = hooks.chain("adjust_logprobs", state.rows, torch.log_softmax(self.lm_head(z).float(), dim=-1))
-        topk_logp, topk_ids = head_logp.topk(self.config.topk_per_head, dim=-1)
+        head_logp = hooks.chain("adjust_logprobs", state.rows, torch.log_softmax(state.projection(z).float(), dim=-1))
+        topk_logp, topk_index = head_logp.topk(self.config.topk_per_head, dim=-1)
+        topk_ids = state.projection.target_ids(topk_index)
         return Draft(select_tree(state.root, topk_ids, topk_logp, self.table, num_nodes), num_nodes, z, topk_ids)
 
     def _verify(self, state: DecodeState, tree: DraftTree) -> Verification:

@@ -5,6 +5,11 @@ Head ``k`` (1-based) maps the target's final hidden state ``h_t`` (input of ``lm
 ``x_{t+1+k}`` with ``lm_head(z_k)``. The target's ``lm_head`` is shared, never copied, never trained
 here, and the heads live outside the policy module. ``W_k, b_k`` start at zero, so an untrained head
 reproduces the base next-token distribution.
+
+With a draft vocabulary (``draft_ids``, the target ids the heads may propose, as EAGLE-3 drafts over a reduced
+vocabulary) the heads project through only those rows of ``lm_head``: on a 49k-token vocabulary the full
+projection would cost about as much as the target's own forward. Candidates are mapped back to target ids, so
+verification, and what is emitted, never see the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -30,20 +35,25 @@ class SpeculativeHeadsConfig:
     Args:
         num_heads: number of heads ``H``; head ``k`` predicts the token ``k`` places after the next one.
         hidden_size: the target's hidden size (input and output size of every block).
-        vocab_size: rows of the target's ``lm_head``; checked against the model, never stored with heads.
+        vocab_size: rows of the target's ``lm_head``; checked against the model.
         num_layers: residual SiLU blocks per head.
+        draft_vocab_size: size of the draft vocabulary the heads propose from (0: the whole vocabulary).
     """
 
     num_heads: int = 4
     hidden_size: int = 0
     vocab_size: int = 0
     num_layers: int = 1
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         for name in ("num_heads", "hidden_size", "vocab_size", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SpeculativeHeadsConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"SpeculativeHeadsConfig.draft_vocab_size must be an int in [0, vocab_size], got "
+                             f"{self.draft_vocab_size!r}")
 
 
 class ResidualSiLUBlock(nn.Module):
@@ -69,23 +79,42 @@ class SpeculativeHeads(nn.Module):
             nn.Sequential(*(ResidualSiLUBlock(config.hidden_size) for _ in range(config.num_layers)))
             for _ in range(config.num_heads)
         )
+        # the draft vocabulary's target ids (saved with the weights), or None: the whole vocabulary
+        self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
     @classmethod
-    def from_model(cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1) -> SpeculativeHeads:
-        """Zero-initialised heads sized for ``model`` (a HF causal LM), on its device and dtype."""
+    def from_model(cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1,
+                   draft_ids: torch.Tensor | list[int] | None = None) -> SpeculativeHeads:
+        """Zero-initialised heads sized for ``model`` (a HF causal LM), on its device and dtype; ``draft_ids``:
+        the target ids of a draft vocabulary (distinct), or ``None`` for the whole vocabulary."""
         lm_head = lm_head_of(model)
         vocab, hidden = lm_head_shape(lm_head)
-        config = SpeculativeHeadsConfig(
-            num_heads=num_heads,
-            hidden_size=hidden,
-            vocab_size=vocab,
-            num_layers=num_layers,
-        )
-        return cls(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long).flatten()
+        config = SpeculativeHeadsConfig(num_heads=num_heads, hidden_size=hidden, vocab_size=vocab,
+                                        num_layers=num_layers, draft_vocab_size=0 if ids is None else len(ids))
+        heads = cls(config)
+        if ids is not None:
+            heads.draft_ids.copy_(ids)
+            heads.check_draft_ids()
+        return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+
+    def check_draft_ids(self) -> None:
+        """Raise ``ValueError`` unless the draft vocabulary holds distinct ids of the target's vocabulary."""
+        ids = self.draft_ids
+        if ids is None:
+            return
+        if bool(((ids < 0) | (ids >= self.config.vocab_size)).any()):
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size})")
+        if len(torch.unique(ids)) != len(ids):
+            raise ValueError("draft vocabulary ids must be distinct")
+
+    def projection(self, lm_head: nn.Module) -> VocabProjection:
+        """The projection the heads' logits go through (the shared ``lm_head``, or its draft-vocabulary rows)."""
+        return VocabProjection(lm_head, self.draft_ids)
 
     def check_compatible(self, model: nn.Module) -> None:
         """Raise ``ValueError`` naming the mismatch if these heads cannot run on ``model``."""
@@ -104,8 +133,9 @@ class SpeculativeHeads(nn.Module):
         return torch.stack([head(hidden) for head in self.heads], dim=-2)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """``hidden [..., D]`` -> head logits ``[..., H, V]`` through the shared ``lm_head``."""
-        return lm_head(self(hidden))
+        """``hidden [..., D]`` -> head logits ``[..., H, V]`` through the shared ``lm_head`` (``V``: the draft
+        vocabulary's size when the heads have one; ``projection(lm_head).target_ids`` maps the indices back)."""
+        return self.projection(lm_head)(self(hidden))
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         path = Path(save_directory)
@@ -148,7 +178,42 @@ class SpeculativeHeads(nn.Module):
             if not torch.isfinite(tensor).all():
                 raise ValueError(f"{weights_file}: {name} contains NaN or inf")
         heads.load_state_dict(state)
+        heads.check_draft_ids()
         return heads.to(device=device, dtype=dtype)
+
+
+class VocabProjection:
+    """The heads' output projection: the target's ``lm_head`` weight (detached: head training never moves it), or
+    only its rows for a draft vocabulary. It reads the weight once, so build one per ``generate`` call or training
+    run: the policy's ``lm_head`` moves as it trains."""
+
+    def __init__(self, lm_head: nn.Module, draft_ids: torch.Tensor | None):
+        self.lm_head, self.draft_ids, self._inverse = lm_head, draft_ids, None
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        self.partitioned = weight.numel() == 0  # DeepSpeed ZeRO-3 without gathering: only the module call works
+        if draft_ids is not None and not self.partitioned:
+            weight, bias = weight.index_select(0, draft_ids), None if bias is None else bias.index_select(0, draft_ids)
+        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        if self.partitioned:
+            logits = self.lm_head(z)
+            return logits if self.draft_ids is None else logits.index_select(-1, self.draft_ids)
+        return F.linear(z, self.weight, self.bias)
+
+    def target_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Target vocabulary ids of projection indices."""
+        return index if self.draft_ids is None else self.draft_ids[index]
+
+    def index_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Projection index of each target id (``-1`` where the draft vocabulary lacks it, or the id is ``-1``)."""
+        if self.draft_ids is None:
+            return ids
+        if self._inverse is None:
+            self._inverse = torch.full((lm_head_shape(self.lm_head)[0],), -1, dtype=torch.long,
+                                       device=self.draft_ids.device)
+            self._inverse[self.draft_ids] = torch.arange(len(self.draft_ids), device=self.draft_ids.device)
+        return torch.where(ids >= 0, self._inverse[ids.clamp(min=0)], -1)
 
 
 def check_heads_folder(directory: str | os.PathLike) -> Path:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .heads import lm_head_shape
+from .heads import VocabProjection, lm_head_shape
 from .tree import DraftTree
 
 
@@ -28,12 +28,20 @@ class GenerationContext:
         attention_mask: ``[B, T]`` their mask (0 on padding).
         num_heads: heads proposing (``H``).
         lm_head: the target's output projection (shared by the heads; read-only).
+        projection: the heads' vocabulary projection. With a draft vocabulary, position ``j`` of the
+            ``[B, H, V]`` log-probabilities ``adjust_logprobs`` sees is token ``projection.target_ids(j)``, and
+            ``projection.index_of(ids)`` maps target ids there (``-1``: not in the draft vocabulary).
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     num_heads: int
     lm_head: torch.nn.Module
+    projection: VocabProjection | None = None
+
+    def __post_init__(self):
+        if self.projection is None:
+            self.projection = VocabProjection(self.lm_head, None)
 
     @property
     def batch_size(self) -> int:

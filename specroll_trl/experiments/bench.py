@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..engine import SpeculativeGenerator
-from .zoo import DEFAULT_PRESET, PRESETS, load_heads, load_policy, task_prompt_ids
+from .zoo import DEFAULT_PRESET, PRETRAINED, load_heads, load_policy, preset_task, task_prompt_ids
 
 
 def trl_generation_config(model, tokenizer, max_new_tokens: int, temperature: float = 1.0) -> GenerationConfig:
@@ -50,56 +50,72 @@ def _vanilla(model, ids, mask, gc, **generate_kwargs) -> tuple[float, int]:
     return seconds, tokens
 
 
-@torch.no_grad()
 def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64), repeats: int = 3,
-                     max_new_tokens: int = 192, temperature: float = 1.0, max_nodes: int = 16,
-                     capacity: int | None = None, task: str | None = None, progress: bool = True) -> list[dict]:
-    """One record per (batch size, mode); see SPEC 4 for the fields."""
-    model, tokenizer = load_policy(model_name, progress=progress)
+                     max_new_tokens: int = 256, temperatures: Sequence[float] = (0.7, 1.0), max_nodes: int = 16,
+                     capacity: int = 64, task: str | None = None, dtype: torch.dtype = torch.float32,
+                     device: str = "cpu", progress: bool = True) -> list[dict]:
+    """One record per (temperature, batch size, mode): TRL's ``generate`` against the engine with the online node
+    budget (``spec``), with the fixed ``C_hw = capacity`` formula (``spec_fixed``), without drafting
+    (``compaction_only``) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch 1). Runs
+    alternate, same prompts and seeds; records hold medians. Each engine keeps its budget across calls, as in a
+    training run, after one untimed warm-up call per batch size."""
+    model, tokenizer = load_policy(model_name, progress=progress, dtype=dtype)  # may build it: outside no_grad
     heads = load_heads(model_name, progress=progress)
-    task = task or (PRESETS[model_name].task if model_name in PRESETS else "arithmetic")
-    gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)
-    modes = {
-        "spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity),
-        "compaction_only": SpeculativeGenerator(model, heads, gc, max_nodes=0, capacity=capacity),
-    }
+    model, heads = model.to(device), heads.to(device=device, dtype=dtype)
+    task = task or preset_task(model_name)
+    chat = model_name in PRETRAINED
     records = []
-    for batch_size in batch_sizes:
-        prompts = task_prompt_ids(tokenizer, task, batch_size, seed=4242 + batch_size)
-        ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
-        wanted = list(modes) + (["assisted_prompt_lookup"] if batch_size == 1 else [])
-        for mode in wanted:
-            vanilla_s, spec_s, taus, heads_acc, spec_tokens = [], [], [], [], []
-            for r in range(repeats):
-                torch.manual_seed(r)
-                v_s, _ = _vanilla(model, ids, mask, gc)
-                vanilla_s.append(v_s)
-                torch.manual_seed(r)
-                if mode == "assisted_prompt_lookup":
-                    s_s, n_tok = _vanilla(model, ids, mask, gc, prompt_lookup_num_tokens=4)
-                    taus.append(float("nan"))
-                else:
-                    out = modes[mode].generate(ids, mask)
-                    s_s, n_tok = out.stats["seconds"], sum(map(len, out.completion_ids))
-                    taus.append(out.stats["tau"])
-                    heads_acc.append(out.stats["accept_per_head"])
-                spec_s.append(s_s)
-                spec_tokens.append(n_tok)
-            v_med, s_med = statistics.median(vanilla_s), statistics.median(spec_s)
-            record = {
-                "batch_size": batch_size, "mode": mode, "vanilla_s": v_med, "spec_s": s_med,
-                "speedup": v_med / s_med, "tau": statistics.median(taus) if heads_acc else None,
-                "accept_per_head": [statistics.mean(h[d] for h in heads_acc) for d in range(len(heads_acc[0]))]
-                if heads_acc else [],
-                "tokens_per_s": statistics.median(spec_tokens) / s_med,
-                "repeats": repeats, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "model": model_name, "task": task, "capacity": capacity,
-            }
-            records.append(record)
-            if progress:
-                print(f"batch {batch_size:>3} {mode:<24} vanilla {v_med:7.2f}s  engine {s_med:7.2f}s  "
-                      f"speedup {record['speedup']:.2f}x  tau {record['tau'] or float('nan'):.2f}", flush=True)
+    for temperature in temperatures:
+        gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)
+        modes = {
+            "spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes),
+            "spec_fixed": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity),
+            "compaction_only": SpeculativeGenerator(model, heads, gc, max_nodes=0, capacity=1),
+        }
+        for batch_size in batch_sizes:
+            prompts = task_prompt_ids(tokenizer, task, batch_size, seed=4242 + batch_size, conversational=chat)
+            ids, mask = (t.to(device) for t in _left_pad(prompts, tokenizer.pad_token_id))
+            wanted = list(modes) + (["assisted_prompt_lookup"] if batch_size == 1 else [])
+            with torch.no_grad():
+                for engine in modes.values():
+                    engine.generate(ids[:, -64:], mask[:, -64:], max_new_tokens=8)  # warm-up, untimed
+                for mode in wanted:
+                    records.append(_alternate(model, modes.get(mode), mode, ids, mask, gc, repeats))
+            for r in records[-len(wanted):]:
+                r.update(batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
+                         model=model_name, task=task, capacity=capacity if r["mode"] == "spec_fixed" else None,
+                         dtype=str(dtype).removeprefix("torch."), device=device)
+                if progress:
+                    print(f"T={temperature} batch {batch_size:>3} {r['mode']:<24} vanilla {r['vanilla_s']:7.2f}s  "
+                          f"engine {r['spec_s']:7.2f}s  speedup {r['speedup']:.2f}x  tau "
+                          f"{r['tau'] or float('nan'):.2f}", flush=True)
     return records
+
+
+def _alternate(model, engine, mode: str, ids, mask, gc, repeats: int) -> dict:
+    """``repeats`` alternating (vanilla ``generate``, ``engine``) pairs on the same prompts and seeds; medians."""
+    vanilla_s, spec_s, taus, accepts, tokens, nodes = [], [], [], [], [], []
+    for r in range(repeats):
+        torch.manual_seed(r)
+        vanilla_s.append(_vanilla(model, ids, mask, gc)[0])
+        torch.manual_seed(r)
+        if engine is None:  # HF's own assisted decoding, for reference
+            s, n = _vanilla(model, ids, mask, gc, prompt_lookup_num_tokens=4)
+        else:
+            out = engine.generate(ids, mask)
+            s, n = out.stats.seconds, out.stats.tokens
+            taus.append(out.stats.tau)
+            accepts.append(out.stats.accept_per_head)
+            nodes.append(sum(out.stats.nodes_per_row) / max(1, len(out.stats.nodes_per_row)))
+        spec_s.append(s)
+        tokens.append(n)
+    v_med, s_med = statistics.median(vanilla_s), statistics.median(spec_s)
+    return {"mode": mode, "vanilla_s": v_med, "spec_s": s_med, "speedup": v_med / s_med,
+            "tau": statistics.median(taus) if taus else None,
+            "accept_per_head": [statistics.mean(a[d] for a in accepts) for d in range(len(accepts[0]))]
+            if accepts else [],
+            "tokens_per_s": statistics.median(tokens) / s_med,
+            "nodes_per_row": statistics.mean(nodes) if nodes else 0.0, "repeats": repeats}
 
 
 def write_results(records: list[dict], out: str | Path, plot: bool = True) -> None:

@@ -112,13 +112,17 @@ def _bench(args) -> int:
         if args.out:
             write_results(records, args.out, plot=False)
         return 0
+    import torch
+
+    common = dict(max_nodes=args.max_nodes, capacity=args.capacity or 64, dtype=getattr(torch, args.dtype),
+                  device=args.device)
     if args.quick:
-        records = bench_generation(args.model, batch_sizes=(1, 8, 32), repeats=1, max_new_tokens=96,
-                                   max_nodes=args.max_nodes, capacity=args.capacity)
+        records = bench_generation(args.model, batch_sizes=(1, 8), repeats=1, max_new_tokens=64,
+                                   temperatures=(0.7,), **common)
     else:
         records = bench_generation(args.model, batch_sizes=tuple(args.batch_sizes), repeats=args.repeats,
-                                   max_new_tokens=args.max_new_tokens or 192, max_nodes=args.max_nodes,
-                                   capacity=args.capacity)
+                                   max_new_tokens=args.max_new_tokens or 256, temperatures=tuple(args.temperatures),
+                                   **common)
     print(format_table(records))
     if args.out:
         write_results(records, args.out)
@@ -201,7 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--variants", nargs="+", default=None,
                        help="reflex: Reflex presets to compare with static heads (lookup, lookup-group, baseline, "
                             "baseline+lookup: specroll_trl.adapt.reflex.REFLEX_PRESETS; default: baseline lookup)")
-    bench.add_argument("--capacity", type=int, default=None, help="C_hw; profiled when omitted")
+    bench.add_argument("--capacity", type=int, default=None,
+                       help="C_hw for the fixed node-budget formula (generation: the spec_fixed mode, default 64; "
+                       "e2e / ablation / reflex: instead of the online budget, which is used when omitted)")
+    bench.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0], help="generation: temperatures")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="generation: model dtype")
+    bench.add_argument("--device", default="cpu", help="generation: device (cpu, cuda)")
     bench.set_defaults(func=_bench)
 
     export = sub.add_parser("export-vllm", help="write heads as a vLLM Medusa speculator (config.json + safetensors)")

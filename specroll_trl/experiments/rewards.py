@@ -5,6 +5,9 @@ TRL's ``GRPOTrainer`` calls each function as ``f(prompts=..., completions=..., c
 datasets) or lists of ``{"role": "assistant", "content": ...}`` messages (conversational datasets);
 both are accepted.
 
+Final answers are read in the forms GSM8K and chat models write them (see ``extract_answer``): ``#### n``,
+``The answer is: n`` / ``The answer is n`` and ``\boxed{n}``.
+
 Annotations ``<<expr=value>>`` are checked with a small recursive-descent parser over numbers,
 ``+ - * /``, unary signs and parentheses. Nothing is ever passed to ``eval``/``exec``.
 """
@@ -22,6 +25,7 @@ __all__ = [
     "calculator_reward",
     "completion_text",
     "correctness_reward",
+    "extract_answer",
     "format_reward",
     "safe_eval",
 ]
@@ -31,6 +35,14 @@ MAX_NUMBER_DIGITS = 15
 
 _ANNOTATION_RE = re.compile(r"<<([^<>]*)>>")
 _FINAL_LINE_RE = re.compile(r"####[ \t]*\$?[ \t]*[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)\.?")
+_NUMBER = r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+# Answer forms other than "####" (the last match wins). An "answer is" number must not start an expression
+# ("The answer is 5 + 3 = 8" is no answer); \boxed{} must hold the number alone.
+_ANSWER_RE = re.compile(
+    rf"answer\s+is\s*[:=]?\s*(?:\*\*|\\\(|\\\[|\$)*\s*(?P<said>{_NUMBER})(?![\d,.]*[ \t]*(?:[-+/×=^]|\*(?!\*)))"
+    rf"|\\boxed\{{\s*(?:\\\$|\$)?\s*(?P<boxed>{_NUMBER})\s*\}}",
+    re.IGNORECASE,
+)
 _TOKEN_RE = re.compile(r"\s*(?:(\d{1,3}(?:,\d{3})+(?:\.\d*)?|\d+\.?\d*|\.\d+)|([-+*/()]))")
 
 
@@ -192,11 +204,30 @@ def _to_number(text: str | None) -> float | None:
         return None
 
 
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion, commas and a leading ``+`` removed; None if there is none.
+
+    A text with ``####`` is read as GSM8K does (``extract_final_answer``: the number after the last
+    ``####``, None if it is not a number). Otherwise the last "answer is n" (any case, optional ``:``,
+    ``$``, ``**``; e.g. "The answer is: 18", "So the final answer is $18.") or ``\boxed{n}`` counts.
+    """
+    if not isinstance(text, str):
+        return None
+    if "####" in text:
+        return extract_final_answer(text)
+    matches = list(_ANSWER_RE.finditer(text))
+    if not matches:
+        return None
+    number = matches[-1].group("said") or matches[-1].group("boxed")
+    return number.replace(",", "").lstrip("+")
+
+
 def correctness_reward(completions, answer, **kwargs) -> list[float]:
-    """1.0 when the number after the last ``####`` equals the reference answer numerically, else 0.0."""
+    """1.0 when the completion's final answer (``extract_answer``: the last ``#### n``, "The answer is: n" or
+    ``\boxed{n}``) equals the reference answer numerically, else 0.0."""
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
-        predicted = _to_number(extract_final_answer(completion_text(completion)))
+        predicted = _to_number(extract_answer(completion_text(completion)))
         gold = _to_number(reference)
         ok = (
             predicted is not None and gold is not None and abs(predicted - gold) <= 1e-6 * max(1.0, abs(gold))
@@ -207,7 +238,7 @@ def correctness_reward(completions, answer, **kwargs) -> list[float]:
 
 def _format_score(text: str) -> float:
     if extract_final_answer(text) is None:
-        return 0.0
+        return 0.5 if extract_answer(text) is not None else 0.0
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     reasoning = lines[:-1]
     if reasoning and _FINAL_LINE_RE.fullmatch(lines[-1]) and not any("####" in line for line in reasoning):
@@ -220,8 +251,9 @@ def format_reward(completions, **kwargs) -> list[float]:
 
     1.0: the text ends (up to whitespace) with a ``#### <number>`` line, has at least one non-empty
     reasoning line before it and no other ``####``. 0.5: a final answer can be extracted (see
-    ``extract_final_answer``) but the layout is off: text after the number, no reasoning line, or
-    several ``####``. 0.0: no ``####`` followed by a number.
+    ``extract_answer``: ``####``, "The answer is: n" or ``\boxed{n}``) but the layout is off: text after
+    the number, no reasoning line, several ``####``, or another answer form than ``####``. 0.0: no final
+    answer at all.
     """
     return [_format_score(completion_text(c)) for c in completions]
 

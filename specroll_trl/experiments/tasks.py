@@ -15,10 +15,13 @@ from pathlib import Path
 import datasets
 
 __all__ = [
+    "ANSWER_INSTRUCTION",
     "GSM8K_DIR",
     "GSM8K_SPLITS",
     "PROMPT_TEMPLATE",
     "arithmetic_examples",
+    "chat_prompt",
+    "chat_task_dataset",
     "extract_final_answer",
     "format_prompt",
     "gsm8k_examples",
@@ -111,19 +114,9 @@ class _ProblemRng(random.Random):
     def operand(self) -> int:
         return self.randint(2, self.max_operand)
 
-_PEOPLE = [
-    ("Tom", "he", "his"),
-    ("Anna", "she", "her"),
-    ("Ben", "he", "his"),
-    ("Lily", "she", "her"),
-    ("Sam", "he", "his"),
-    ("Mia", "she", "her"),
-    ("Jack", "he", "his"),
-    ("Emma", "she", "her"),
-    ("Leo", "he", "his"),
-    ("Zoe", "she", "her"),
-    ("Max", "he", "his"),
-    ("Ella", "she", "her"),
+_PEOPLE = [  # (name, subject, possessive), alternating he / she
+    (name, *(("he", "his") if i % 2 == 0 else ("she", "her")))
+    for i, name in enumerate(["Tom", "Anna", "Ben", "Lily", "Sam", "Mia", "Jack", "Emma", "Leo", "Zoe", "Max", "Ella"])
 ]
 _ITEMS = ["apples", "pencils", "marbles", "stickers", "cards", "shells", "books", "stamps", "toys", "coins"]
 _CONTAINERS = [("box", "boxes"), ("bag", "bags"), ("pack", "packs"), ("jar", "jars")]
@@ -504,3 +497,45 @@ def task_dataset(task: str, n: int, seed: int = 321) -> datasets.Dataset:
     if task == "gsm8k":
         return load_gsm8k("train", limit=n)
     raise ValueError(f"unknown task {task!r}: expected 'arithmetic' or 'gsm8k'")
+
+
+# Chat-form (conversational) tasks, for pretrained instruct policies such as the zoo's ``smollm2-135m``.
+
+# Appended to each question: asks for the GSM8K final line that ``format_reward`` scores 1.0.
+ANSWER_INSTRUCTION = 'Solve it step by step. End your answer with a line "#### <number>".'
+
+
+def chat_prompt(question: str, instruction: str | None = ANSWER_INSTRUCTION) -> list[dict[str, str]]:
+    """One user message: the question, then ``instruction`` on a new line (none when falsy)."""
+    content = f"{question}\n{instruction}" if instruction else question
+    return [{"role": "user", "content": content}]
+
+
+def chat_task_dataset(
+    task: str, n: int | None = None, seed: int = 321, split: str = "train",
+    instruction: str | None = ANSWER_INSTRUCTION,
+) -> datasets.Dataset:
+    """A task as a TRL conversational dataset: ``prompt`` (``[{"role": "user", "content": ...}]``), ``answer``,
+    ``solution``.
+
+    ``arithmetic``: ``n`` procedural problems from ``seed`` (``split="test"``: from ``seed + 10_000``, held out
+    from the train seed as in ``zoo.task_examples``). ``gsm8k``: the first ``n`` rows (all with ``None``) of
+    the bundled ``split``. ``instruction`` is appended to every question (``None`` for the bare question).
+    """
+    if split not in GSM8K_SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {GSM8K_SPLITS}")
+    if task == "arithmetic":
+        if n is None:
+            raise ValueError("the arithmetic task is procedural: pass n")
+        examples = arithmetic_examples(n, seed=seed if split == "train" else seed + 10_000)
+    elif task == "gsm8k":
+        examples = gsm8k_examples(split, limit=n)
+    else:
+        raise ValueError(f"unknown task {task!r}: expected 'arithmetic' or 'gsm8k'")
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [chat_prompt(ex["question"], instruction) for ex in examples],
+            "answer": [ex["answer"] for ex in examples],
+            "solution": [ex["solution"] for ex in examples],
+        }
+    )

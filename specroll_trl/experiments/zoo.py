@@ -1,9 +1,10 @@
-"""Offline policy zoo: small Qwen2 policies trained by our own SFT, cached as ordinary HF folders.
+"""Offline policy zoo: small Qwen2 policies trained by our own SFT, and pretrained models, as HF folders.
 
-Nothing here touches a model hub. A preset fixes the tokenizer size, architecture, task and training
-steps; ``load_policy("tiny")`` builds it once under ``$SPECROLL_HOME/zoo/<preset>`` (default
-``~/.cache/specroll_trl``) and afterwards loads it with ``AutoModelForCausalLM.from_pretrained``. Any
-HF causal LM folder can stand in for a preset.
+Nothing here touches a model hub. A toy preset (``PRESETS``) fixes the tokenizer size, architecture, task
+and training steps; ``load_policy("tiny")`` builds it once under ``$SPECROLL_HOME/zoo/<preset>`` (default
+``~/.cache/specroll_trl``) and afterwards loads it with ``AutoModelForCausalLM.from_pretrained``. A
+pretrained preset (``PRETRAINED``, e.g. ``"smollm2-135m"``) is de-quantised once from a locally installed
+wheel (see ``pretrained.py``) and then loads the same way. Any HF causal LM folder can stand in for a preset.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .pretrained import (  # noqa: F401  (PretrainedPackageMissing: re-exported for callers)
+    PRETRAINED,
+    PRETRAINED_VERSION,
+    PretrainedPackageMissing,
+    PretrainedPreset,
+    build_pretrained,
+)
 from .tasks import arithmetic_examples, format_prompt, gsm8k_examples
 
 EOS_TOKEN = "<|endoftext|>"
@@ -78,6 +86,17 @@ PRESETS: dict[str, PolicyPreset] = {
     ),
 }
 DEFAULT_PRESET = "tiny"
+# PRETRAINED (from .pretrained): pretrained policies built from an installed wheel, not trained here; their
+# prompts are conversational (chat template). ``preset_task`` gives any preset's task.
+
+
+def preset_task(preset: str) -> str:
+    """The task a toy or pretrained preset is meant for (``"arithmetic"`` or ``"gsm8k"``)."""
+    if preset in PRESETS:
+        return PRESETS[preset].task
+    if preset in PRETRAINED:
+        return PRETRAINED[preset].task
+    raise ValueError(f"unknown zoo preset {preset!r}; available: {sorted(PRESETS) + sorted(PRETRAINED)}")
 
 
 def zoo_home() -> Path:
@@ -86,7 +105,8 @@ def zoo_home() -> Path:
 
 
 def policy_dir(preset: str) -> Path:
-    return zoo_home() / "zoo" / f"{preset}-v{ZOO_VERSION}"
+    version = PRETRAINED_VERSION if preset in PRETRAINED else ZOO_VERSION
+    return zoo_home() / "zoo" / f"{preset}-v{version}"
 
 
 def task_examples(task: str, n: int, seed: int, split: str = "train") -> list[dict]:
@@ -151,11 +171,17 @@ def _batch(pairs, pad_id: int):
 
 
 def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
-    """Train (tokenizer + SFT) and cache a zoo policy; returns its folder. Cached builds are reused."""
+    """Train (tokenizer + SFT) and cache a zoo policy; returns its folder. Cached builds are reused.
+
+    A ``PRETRAINED`` name is built by ``pretrained.build_pretrained`` instead (de-quantised, not trained).
+    """
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    if isinstance(preset, PretrainedPreset) or preset in PRETRAINED:
+        return build_pretrained(preset, dest=policy_dir(getattr(preset, "name", preset)), force=force,
+                                progress=progress)
     if isinstance(preset, str) and preset not in PRESETS:
-        raise ValueError(f"unknown zoo preset {preset!r}; available: {sorted(PRESETS)}")
+        raise ValueError(f"unknown zoo preset {preset!r}; available: {sorted(PRESETS) + sorted(PRETRAINED)}")
     spec = PRESETS[preset] if isinstance(preset, str) else preset
     out = policy_dir(spec.name)
     if (out / "build_info.json").is_file() and not force:
@@ -224,19 +250,24 @@ def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = Fals
 
 
 def resolve_policy(name_or_path: str, progress: bool = True) -> Path:
-    """A preset name (built on first use) or an existing HF model folder."""
-    if name_or_path in PRESETS:
+    """A toy or pretrained preset name (built on first use) or an existing HF model folder.
+
+    Raises ``PretrainedPackageMissing`` (with the install command) for a pretrained preset that is not
+    cached yet and whose wheel is not installed.
+    """
+    if name_or_path in PRESETS or name_or_path in PRETRAINED:
         return build_policy(name_or_path, progress=progress)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"{name_or_path!r} is neither a zoo preset ({sorted(PRESETS)}) nor a folder with a config.json"
+            f"{name_or_path!r} is neither a zoo preset ({sorted(PRESETS) + sorted(PRETRAINED)}) nor a folder "
+            f"with a config.json"
         )
     return path
 
 
 def load_policy(name_or_path: str = DEFAULT_PRESET, progress: bool = True, dtype=torch.float32):
-    """``(model, tokenizer)`` for a preset or a local HF folder; the model is in eval mode."""
+    """``(model, tokenizer)`` for a preset or a local HF folder; the model is in eval mode, in ``dtype``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_policy(name_or_path, progress=progress)
@@ -303,16 +334,36 @@ def preset_distill_config(preset: str):
     return HeadDistillConfig(num_samples=1536, max_new_tokens=192, steps=2400, batch_size=1024)
 
 
-def task_prompt_ids(tokenizer, task: str, n: int, seed: int) -> list[list[int]]:
-    """Tokenised standard-form prompts of a task (no special tokens, unpadded)."""
+def task_prompt_ids(tokenizer, task: str, n: int, seed: int, conversational: bool = False) -> list[list[int]]:
+    """Tokenised prompts of a task, unpadded: standard form (no special tokens), or with ``conversational``
+    ``tasks.chat_prompt`` messages (with its answer instruction) through the tokenizer's chat template, as TRL
+    renders conversational prompts."""
     examples = task_examples(task, n, seed)
+    if conversational:
+        from .tasks import chat_prompt
+
+        rendered = [
+            tokenizer.apply_chat_template(chat_prompt(e["question"]), tokenize=False, add_generation_prompt=True)
+            for e in examples
+        ]
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     return tokenizer([format_prompt(e["question"]) for e in examples], add_special_tokens=False)["input_ids"]
 
 
 def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
-    """Distil (once) and cache speculative heads for a zoo preset; returns their folder."""
+    """Distil (once) and cache speculative heads for a toy zoo preset; returns their folder.
+
+    Pretrained presets (``PRETRAINED``) have no head recipe yet and raise ``NotImplementedError``.
+    """
     from ..adapt.distill import distill_heads
 
+    if preset in PRETRAINED:
+        raise NotImplementedError(
+            f"no cached speculative heads for pretrained preset {preset!r} yet: zoo.build_heads only knows the toy "
+            f"presets {sorted(PRESETS)}. Distil heads yourself with specroll_trl.adapt.distill.distill_heads on "
+            f"chat-form prompts (zoo.task_prompt_ids(tokenizer, {PRETRAINED[preset].task!r}, n, seed, "
+            f"conversational=True)), or let the trainer distil them."
+        )
     out = heads_dir(preset)
     if (out / "distill_report.json").is_file() and not force:
         return out

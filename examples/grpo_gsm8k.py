@@ -12,8 +12,8 @@ from trl import GRPOTrainer
 
 from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer
 from specroll_trl.experiments import zoo
-from specroll_trl.experiments.tasks import load_gsm8k, make_arithmetic_task
 from specroll_trl.experiments.rewards import REWARD_FUNCS
+from specroll_trl.experiments.tasks import load_gsm8k, make_arithmetic_task
 
 
 def main():
@@ -33,7 +33,7 @@ def main():
     args = parser.parse_args()
 
     model_path = str(zoo.resolve_policy(args.model))
-    heads_path = args.heads or (str(zoo.build_heads(args.model)) if args.model in zoo.PRESETS else None)
+    heads_path = args.heads or zoo.preset_heads(args.model)
     n_prompts = max(64, args.max_steps * args.prompts_per_step)
     dataset = make_arithmetic_task(n_prompts, seed=args.seed) if args.task == "arithmetic" else load_gsm8k(
         "train", limit=n_prompts)

@@ -42,7 +42,7 @@ def measure(model_name: str, batch: int, nodes: list[int], max_new_tokens: int, 
 
     model, tokenizer = zoo.load_policy(model_name, progress=False)
     heads = zoo.load_heads(model_name, progress=False)
-    prompts = zoo.task_prompt_ids(tokenizer, zoo.PRESETS[model_name].task, batch, seed=99)
+    prompts = zoo.task_prompt_ids(tokenizer, zoo.preset_task(model_name), batch, seed=99)
     ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
     gc = trl_generation_config(model, tokenizer, max_new_tokens)
     tau = {}

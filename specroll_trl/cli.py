@@ -21,7 +21,7 @@ def _demo(args) -> int:
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     print(f"      {info.get('parameters', sum(p.numel() for p in model.parameters())) / 1e6:.2f}M parameters, "
           f"built in {info.get('build_seconds', float('nan'))} s", flush=True)
-    task = args.task or (zoo.PRESETS[args.model].task if args.model in zoo.PRESETS else "arithmetic")
+    task = args.task or zoo.preset_task(args.model)
     print(f"[2/4] held-out evaluation on {args.eval_prompts} '{task}' prompts at temperature 1", flush=True)
     examples = zoo.task_examples(task, args.eval_prompts, seed=0, split="test")
     metrics = zoo.evaluate_policy(model, tokenizer, examples, temperature=1.0)
@@ -134,7 +134,7 @@ def _export_vllm(args) -> int:
     from .experiments import zoo
     from .export import export_vllm
 
-    model = zoo.resolve_policy(args.model) if args.model in zoo.PRESETS else args.model
+    model = zoo.resolve_policy(args.model)
     try:
         out = export_vllm(args.heads, model, args.out, adapter=args.adapter, share_lm_head=not args.lm_head_per_head,
                           overwrite=args.overwrite)

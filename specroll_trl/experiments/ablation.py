@@ -17,8 +17,7 @@ import statistics
 from pathlib import Path
 
 from .bench import _timed
-from .tasks import task_dataset
-from .zoo import DEFAULT_PRESET, PRESETS
+from .zoo import DEFAULT_PRESET, preset_dataset, preset_heads, preset_task
 
 VARIANTS = {
     "static": {},
@@ -96,18 +95,18 @@ def add_speedups(records: list[dict]) -> list[dict]:
 def bench_ablation(model_name: str = DEFAULT_PRESET, steps: int = 30, num_generations: int = 8,
                    prompts_per_step: int = 1, max_completion_length: int = 192, learning_rate: float = 1e-4,
                    variants: tuple[str, ...] = (*VARIANTS, "vanilla"), capacity: int | None = None,
-                   consolidation: dict | None = None, task: str = "arithmetic",
+                   consolidation: dict | None = None, task: str | None = None,
                    output_dir: str = "runs/bench_ablation", progress: bool = True) -> list[dict]:
     """One record per variant (the documented bench fields plus per-round curves); ``consolidation``: extra
     ``ConsolidationConfig`` fields for the slow-path variants."""
-    from .zoo import build_heads, resolve_policy
+    from .zoo import resolve_policy
 
     unknown = set(variants) - set(VARIANTS) - {"vanilla"}
     if unknown:
         raise ValueError(f"unknown ablation variants {sorted(unknown)}; choose from {[*VARIANTS, 'vanilla']}")
     model_path = str(resolve_policy(model_name, progress=progress))
-    heads_path = str(build_heads(model_name, progress=progress)) if model_name in PRESETS else None
-    dataset = task_dataset(task, steps * prompts_per_step)
+    heads_path = preset_heads(model_name, progress=progress)
+    dataset = preset_dataset(model_name, steps * prompts_per_step, task=task)
     records = []
     for variant in variants:
         overrides = {} if variant == "vanilla" else dict(VARIANTS[variant])
@@ -116,7 +115,7 @@ def bench_ablation(model_name: str = DEFAULT_PRESET, steps: int = 30, num_genera
                                                       **(consolidation or {})}
         record = grpo_run(variant, model_path, heads_path, dataset, overrides, steps, num_generations,
                           prompts_per_step, max_completion_length, learning_rate, capacity, output_dir, progress)
-        records.append({**record, "model": model_name, "task": task})
+        records.append({**record, "model": model_name, "task": task or preset_task(model_name)})
         if progress:
             r = records[-1]
             print(f"{variant:<12} tau {r['tau_mean']:.3f}  generation {r['generation_s']:7.2f}s  "

@@ -193,15 +193,14 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
     """GRPOTrainer vs SpecGRPOTrainer, same config and seed, alternating whole runs; one record."""
     from trl import GRPOTrainer
 
-    from .tasks import task_dataset
-    from .rewards import REWARD_FUNCS
     from ..trainer import SpecGRPOConfig, SpecGRPOTrainer
-    from .zoo import build_heads, resolve_policy
+    from .rewards import REWARD_FUNCS
+    from .zoo import preset_dataset, preset_heads, resolve_policy
 
     model_path = str(resolve_policy(model_name, progress=progress))
-    heads_path = str(build_heads(model_name, progress=progress)) if model_name in PRESETS else None
-    task = task or (PRESETS[model_name].task if model_name in PRESETS else "arithmetic")
-    dataset = task_dataset(task, steps * prompts_per_step, seed=123)
+    heads_path = preset_heads(model_name, progress=progress)
+    task = task or preset_task(model_name)
+    dataset = preset_dataset(model_name, steps * prompts_per_step, seed=123, task=task)
     results = {"vanilla": {"step": [], "gen": [], "reward": []}, "spec": {"step": [], "gen": [], "reward": []}}
     taus = []
     for r in range(repeats):
@@ -241,8 +240,8 @@ def drifted_policy(model_name: str, grpo_steps: int, lr: float = 5e-5, progress:
     """The policy after ``grpo_steps`` of plain GRPO on its task (cached): its zoo heads are now stale."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from .tasks import make_arithmetic_task
     from .rewards import REWARD_FUNCS
+    from .tasks import make_arithmetic_task
     from .zoo import resolve_policy, zoo_home
 
     out = zoo_home() / "drifted" / f"{model_name}-grpo{grpo_steps}-lr{lr:g}"
@@ -304,7 +303,7 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
         "perturbed": perturbed_policy(base, scale=1.0),
         "fresh": base,
     }
-    prompts = task_prompt_ids(tokenizer, PRESETS[model_name].task if model_name in PRESETS else "arithmetic",
+    prompts = task_prompt_ids(tokenizer, preset_task(model_name),
                               max(1, batch_size // group), seed=777)
     prompts = [p for p in prompts for _ in range(group)][:batch_size]
     ids, mask = _left_pad(prompts, tokenizer.pad_token_id)

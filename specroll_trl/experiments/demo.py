@@ -12,7 +12,6 @@ import statistics
 from pathlib import Path
 
 from .ablation import grpo_run
-from .tasks import task_dataset
 
 RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOTrainer)
     "vanilla": ("GRPOTrainer", None),
@@ -28,13 +27,12 @@ def run_demo(model: str = "tiny", heads_path: str | None = None, task: str | Non
     from . import zoo
 
     model_path = str(zoo.resolve_policy(model, progress=progress))
+    heads_path = heads_path or zoo.preset_heads(model, progress=progress)
     if heads_path is None:
-        if model not in zoo.PRESETS:
-            raise ValueError(f"--heads is required for a model outside the zoo ({model!r}); train them with "
-                             "`specroll-trl train-heads`")
-        heads_path = str(zoo.build_heads(model, progress=progress))
-    task = task or (zoo.PRESETS[model].task if model in zoo.PRESETS else "arithmetic")
-    dataset = task_dataset(task, steps * prompts_per_step, seed=2024)
+        raise ValueError(f"--heads is required for a model outside the zoo ({model!r}); train them with "
+                         "`specroll-trl train-heads`")
+    task = task or zoo.preset_task(model)
+    dataset = zoo.preset_dataset(model, steps * prompts_per_step, seed=2024, task=task)
     runs: dict[str, list[dict]] = {name: [] for name in RUNS}
     for r in range(repeats):
         for name, (label, overrides) in RUNS.items():

@@ -26,14 +26,14 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from .cache import atomic_folder
 
 logger = logging.getLogger(__name__)
 
@@ -208,10 +208,8 @@ def build_pretrained(preset: str | PretrainedPreset = "smollm2-135m", dest: str 
         return out
     gguf_path = _require_sources(preset)
     start = time.time()
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     stages = tqdm(total=5, desc=f"building {preset.name}", disable=not progress, unit="stage")
-    try:
+    with atomic_folder(out) as tmp:
         stages.set_postfix_str("tokenizer")
         logger.info("building %s from %s", preset.name, gguf_path)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -271,14 +269,7 @@ def build_pretrained(preset: str | PretrainedPreset = "smollm2-135m", dest: str 
             "build_seconds": round(time.time() - start, 1),
         }
         (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if (out / "build_info.json").is_file() and not force:
-            return out  # a concurrent build finished first; ours is discarded in `finally`
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        stages.update()
-        logger.info("built %s in %.1fs: %s", preset.name, time.time() - start, out)
-        return out
-    finally:
-        stages.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    stages.update()
+    stages.close()
+    logger.info("built %s in %.1fs: %s", preset.name, time.time() - start, out)
+    return out

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .cache import atomic_folder
 from .pretrained import (  # noqa: F401  (PretrainedPackageMissing: re-exported for callers)
     PRETRAINED,
     PRETRAINED_VERSION,
@@ -91,12 +91,27 @@ DEFAULT_PRESET = "tiny"
 
 
 def preset_task(preset: str) -> str:
-    """The task a toy or pretrained preset is meant for (``"arithmetic"`` or ``"gsm8k"``)."""
+    """The task a toy or pretrained preset is meant for (``"arithmetic"`` or ``"gsm8k"``); ``"arithmetic"`` for a
+    model folder."""
     if preset in PRESETS:
         return PRESETS[preset].task
     if preset in PRETRAINED:
         return PRETRAINED[preset].task
-    raise ValueError(f"unknown zoo preset {preset!r}; available: {sorted(PRESETS) + sorted(PRETRAINED)}")
+    return "arithmetic"
+
+
+def preset_dataset(preset: str, n: int, seed: int = 321, task: str | None = None):
+    """``n`` GRPO prompts of ``task`` (default: the preset's) in the form the policy reads: conversational
+    (``[{"role": "user", ...}]``, as TRL users pass them) for a pretrained chat model, the plain prompt for a toy."""
+    from .tasks import chat_task_dataset, task_dataset
+
+    task = task or preset_task(preset)
+    return chat_task_dataset(task, n, seed=seed) if preset in PRETRAINED else task_dataset(task, n, seed=seed)
+
+
+def preset_heads(preset: str, progress: bool = True) -> str | None:
+    """The cached heads folder of a zoo preset (distilled on first use); ``None`` for a model folder."""
+    return str(build_heads(preset, progress=progress)) if preset in PRESETS or preset in PRETRAINED else None
 
 
 def zoo_home() -> Path:
@@ -191,58 +206,54 @@ def build_policy(preset: str | PolicyPreset = DEFAULT_PRESET, force: bool = Fals
     torch.manual_seed(spec.seed)
     examples = task_examples(spec.task, spec.train_examples, spec.seed)
     texts = [format_prompt(e["question"]) + " " + e["solution"] for e in examples]
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    # Train on exactly what users will load: a reloaded tokenizer can merge differently from the in-memory one.
-    train_tokenizer(texts, spec.vocab_size).save_pretrained(tmp)
-    tokenizer = AutoTokenizer.from_pretrained(tmp)
-    pairs = _encode_examples(tokenizer, examples)
+    with atomic_folder(out) as tmp:
+        # Train on exactly what users will load: a reloaded tokenizer can merge differently from the in-memory one.
+        train_tokenizer(texts, spec.vocab_size).save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        pairs = _encode_examples(tokenizer, examples)
 
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0,
-    )
-    model = Qwen2ForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, spec.steps // 20)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
+            tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0,
+        )
+        model = Qwen2ForCausalLM(config)
+        n_params = sum(p.numel() for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.98))
+        warmup = max(1, spec.steps // 20)
 
-    def lr_at(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, spec.steps - warmup)))
+        def lr_at(step):
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, spec.steps - warmup)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    rng = random.Random(spec.seed)
-    model.train()
-    bar = tqdm(range(spec.steps), desc=f"SFT {spec.name} ({n_params / 1e6:.2f}M params)", disable=not progress)
-    for _ in bar:
-        ids, mask, labels = _batch(rng.sample(pairs, spec.batch_size), tokenizer.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-    model.eval()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+        rng = random.Random(spec.seed)
+        model.train()
+        bar = tqdm(range(spec.steps), desc=f"SFT {spec.name} ({n_params / 1e6:.2f}M params)", disable=not progress)
+        for _ in bar:
+            ids, mask, labels = _batch(rng.sample(pairs, spec.batch_size), tokenizer.pad_token_id)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        model.eval()
 
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])],
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
-    )
-    model.save_pretrained(tmp)
-    info = {
-        "preset": asdict(spec), "zoo_version": ZOO_VERSION, "parameters": n_params,
-        "build_seconds": round(time.time() - start, 1), "final_train_loss": round(loss.item(), 4),
-    }
-    (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+        model.generation_config = GenerationConfig(
+            eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])],
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+        )
+        model.save_pretrained(tmp)
+        info = {
+            "preset": asdict(spec), "zoo_version": ZOO_VERSION, "parameters": n_params,
+            "build_seconds": round(time.time() - start, 1), "final_train_loss": round(loss.item(), 4),
+        }
+        (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     reloaded = AutoTokenizer.from_pretrained(out)
     if _encode_examples(reloaded, examples[:64]) != pairs[:64]:
         raise RuntimeError(f"the tokenizer saved in {out} does not reproduce the training tokenisation")
@@ -326,12 +337,34 @@ def heads_dir(preset: str) -> Path:
 
 
 def preset_distill_config(preset: str):
-    """Head self-distillation settings for a zoo preset (smaller for ``nano`` so tests stay quick)."""
+    """Head self-distillation settings for a zoo preset (smaller for ``nano`` so tests stay quick). A pretrained
+    preset gets the cheap recipe: its own temperature-0.7 samples plus teacher-forced GSM8K solutions, top-16
+    targets, a 4,096-token draft vocabulary (4 heads then cost ~8% of a target forward per row), about 5 minutes
+    on 2 CPU cores."""
     from ..adapt.distill import HeadDistillConfig
 
+    if preset in PRETRAINED:
+        return HeadDistillConfig(num_samples=96, max_new_tokens=256, temperature=0.7, sample_batch_size=16,
+                                 steps=500, batch_size=512, lr=3e-3, target_topk=16, draft_vocab_size=4096,
+                                 max_seconds=240)
     if preset == "nano":
         return HeadDistillConfig(num_samples=320, max_new_tokens=128, steps=300, batch_size=512)
     return HeadDistillConfig(num_samples=1536, max_new_tokens=192, steps=2400, batch_size=1024)
+
+
+def teacher_forced_text(tokenizer, n: int) -> list[tuple[list[int], list[int]]]:
+    """``n`` GSM8K training solutions as chat replies to their questions, ``(prompt, reply)`` token ids: text the
+    heads can learn from with one forward each instead of sampling it."""
+    from .tasks import chat_prompt
+
+    pairs = []
+    for example in gsm8k_examples("train", limit=n):
+        prompt = tokenizer.apply_chat_template(chat_prompt(example["question"]), tokenize=False,
+                                               add_generation_prompt=True)
+        reply = example["solution"] + tokenizer.eos_token
+        pairs.append((tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                      tokenizer(reply, add_special_tokens=False)["input_ids"]))
+    return pairs
 
 
 def task_prompt_ids(tokenizer, task: str, n: int, seed: int, conversational: bool = False) -> list[list[int]]:
@@ -351,34 +384,25 @@ def task_prompt_ids(tokenizer, task: str, n: int, seed: int, conversational: boo
 
 
 def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
-    """Distil (once) and cache speculative heads for a toy zoo preset; returns their folder.
-
-    Pretrained presets (``PRETRAINED``) have no head recipe yet and raise ``NotImplementedError``.
-    """
+    """Distil (once) and cache speculative heads for a zoo preset; returns their folder (``spec_heads/`` inside the
+    policy's). A build that fails leaves no temporary folder behind."""
     from ..adapt.distill import distill_heads
 
-    if preset in PRETRAINED:
-        raise NotImplementedError(
-            f"no cached speculative heads for pretrained preset {preset!r} yet: zoo.build_heads only knows the toy "
-            f"presets {sorted(PRESETS)}. Distil heads yourself with specroll_trl.adapt.distill.distill_heads on "
-            f"chat-form prompts (zoo.task_prompt_ids(tokenizer, {PRETRAINED[preset].task!r}, n, seed, "
-            f"conversational=True)), or let the trainer distil them."
-        )
     out = heads_dir(preset)
     if (out / "distill_report.json").is_file() and not force:
         return out
     model, tokenizer = load_policy(preset, progress=progress)
-    spec = PRESETS[preset]
     config = preset_distill_config(preset)
-    prompts = task_prompt_ids(tokenizer, spec.task, config.num_samples, seed=spec.seed + 20_000)
-    heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config, progress=progress)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    heads.save_pretrained(tmp)
-    report["hit_rates"] = [{str(k): v for k, v in rates.items()} for rates in report["hit_rates"]]
-    (tmp / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    pretrained = preset in PRETRAINED
+    seed = 20_000 if pretrained else PRESETS[preset].seed + 20_000
+    prompts = task_prompt_ids(tokenizer, preset_task(preset), config.num_samples, seed=seed, conversational=pretrained)
+    text = teacher_forced_text(tokenizer, 256) if pretrained else None
+    heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config, progress=progress, text_pairs=text)
+    with atomic_folder(out) as tmp:
+        heads.save_pretrained(tmp)
+        for key in ("hit_rates", "target_mass"):
+            report[key] = [{str(k): v for k, v in rates.items()} for rates in report[key]]
+        (tmp / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return out
 
 

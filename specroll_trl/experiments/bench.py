@@ -180,9 +180,9 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
     """GRPOTrainer vs SpecGRPOTrainer, same config and seed, alternating whole runs; one record."""
     from trl import GRPOTrainer
 
-    from .tasks import task_dataset
-    from .rewards import REWARD_FUNCS
     from ..trainer import SpecGRPOConfig, SpecGRPOTrainer
+    from .rewards import REWARD_FUNCS
+    from .tasks import task_dataset
     from .zoo import build_heads, resolve_policy
 
     model_path = str(resolve_policy(model_name, progress=progress))
@@ -228,8 +228,8 @@ def drifted_policy(model_name: str, grpo_steps: int, lr: float = 5e-5, progress:
     """The policy after ``grpo_steps`` of plain GRPO on its task (cached): its zoo heads are now stale."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from .tasks import make_arithmetic_task
     from .rewards import REWARD_FUNCS
+    from .tasks import make_arithmetic_task
     from .zoo import resolve_policy, zoo_home
 
     out = zoo_home() / "drifted" / f"{model_name}-grpo{grpo_steps}-lr{lr:g}"

@@ -12,8 +12,8 @@ from trl import GRPOTrainer
 
 from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer
 from specroll_trl.experiments import zoo
-from specroll_trl.experiments.tasks import load_gsm8k, make_arithmetic_task
 from specroll_trl.experiments.rewards import REWARD_FUNCS
+from specroll_trl.experiments.tasks import load_gsm8k, make_arithmetic_task
 
 
 def main():

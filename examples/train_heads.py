@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from specroll_trl import HeadDistillConfig, SpeculativeHeads, distill_heads
-from specroll_trl.experiments import zoo
 from specroll_trl.adapt.distill import format_hit_table
+from specroll_trl.experiments import zoo
 
 
 def main():

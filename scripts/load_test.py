@@ -45,8 +45,8 @@ def run_child(args) -> dict:
     import torch
     from transformers import GenerationConfig
 
-    from specroll_trl.experiments import zoo
     from specroll_trl.engine.generator import SpeculativeGenerator
+    from specroll_trl.experiments import zoo
 
     model, tokenizer = zoo.load_policy(args.preset, progress=False)
     prompts = zoo.task_prompt_ids(tokenizer, "arithmetic", args.batch, seed=args.seed)

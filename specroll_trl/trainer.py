@@ -156,7 +156,7 @@ class SpecSettings:
         for name in ("spec_num_heads", "spec_distill_samples", "spec_distill_steps"):
             value = spec[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                raise (ValueError if type(value) is int else TypeError)(f"{name} must be an int >= 1, got {value!r}")
         reflex, reflex_kwargs = spec["spec_reflex"], dict(spec["spec_reflex_kwargs"] or {})
         if reflex is not None:
             if not isinstance(reflex, str):
@@ -206,7 +206,12 @@ class SpecGRPOTrainer(GRPOTrainer):
             return
         if self.spec_heads is None:
             self.spec_heads = self._initial_heads()
-        self._engine(self._policy_for_heads())  # checks heads, top-k and model support now, in the engine
+        try:  # the engine checks heads, top-k and model support; now, not at the first rollout
+            self._engine(self._policy_for_heads())
+        except ValueError as err:
+            if str(err).startswith("topk_per_head"):  # name the user's field
+                raise ValueError(f"spec_{err}") from err
+            raise
         if self.spec.consolidation is not None:
             self.spec_consolidation = ConsolidationCallback(
                 self.spec_heads, self._policy_for_heads().get_output_embeddings(), self.spec.consolidation,

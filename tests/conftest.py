@@ -2,9 +2,16 @@
 
 import os
 
-import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+if "OMP_NUM_THREADS" not in os.environ:
+    # The test models are tiny: a second intra-op thread buys nothing, and on a 2-core machine shared with other
+    # work each op's thread barrier stalls (the fast lane took 10 min instead of 75 s). Inherited by subprocesses.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
 
 
 def make_model(vocab: int = 32, hidden: int = 32, layers: int = 2, seed: int = 0, eos: int = 1, pad: int = 0,

@@ -14,10 +14,10 @@ import sys
 import torch
 
 from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer
-from specroll_trl.experiments import zoo
 from specroll_trl.engine import generator as engine
-from specroll_trl.experiments.tasks import make_arithmetic_task
+from specroll_trl.experiments import zoo
 from specroll_trl.experiments.rewards import REWARD_FUNCS
+from specroll_trl.experiments.tasks import make_arithmetic_task
 
 
 def main():

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from specroll_trl.cli import main
 from specroll_trl.engine.heads import SpeculativeHeads
 
@@ -18,6 +20,7 @@ def test_train_heads_cli_writes_heads_and_prints_hit_table(nano, tmp_path, capsy
     assert len(report["hit_rates"]) == 3
 
 
+@pytest.mark.slow
 def test_demo_cli_on_nano_runs_grpo_and_specgrpo_side_by_side(nano, tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--model", "nano", "--eval-prompts", "16", "--steps", "2", "--repeats", "1",
@@ -37,6 +40,7 @@ def test_demo_cli_on_nano_runs_grpo_and_specgrpo_side_by_side(nano, tmp_path, ca
     assert (out / "demo.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_bench_ablation_quick_writes_the_five_variants(nano, tmp_path):
     from specroll_trl.experiments.ablation import bench_ablation
 

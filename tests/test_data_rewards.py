@@ -1,16 +1,12 @@
+import builtins
+import math
+import os
 import re
+import subprocess
 import time
 
 import pytest
 
-from specroll_trl.experiments.tasks import (
-    PROMPT_TEMPLATE,
-    arithmetic_examples,
-    extract_final_answer,
-    format_prompt,
-    load_gsm8k,
-    make_arithmetic_task,
-)
 from specroll_trl.experiments.rewards import (
     REWARD_FUNCS,
     ExpressionError,
@@ -18,6 +14,14 @@ from specroll_trl.experiments.rewards import (
     correctness_reward,
     format_reward,
     safe_eval,
+)
+from specroll_trl.experiments.tasks import (
+    PROMPT_TEMPLATE,
+    arithmetic_examples,
+    extract_final_answer,
+    format_prompt,
+    load_gsm8k,
+    make_arithmetic_task,
 )
 
 
@@ -239,8 +243,40 @@ def test_safe_eval_rejects(expr, tmp_path):
     assert calculator_reward([f"<<{expr}=1>>"]) == [0.0]
 
 
-def test_calculator_reward_never_executes(tmp_path):
+def test_reward_functions_never_evaluate_model_text(tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
-    payload = f"<<__import__('os').system('touch {marker}')=0>>"
-    assert calculator_reward([payload]) == [0.0]
-    assert not marker.exists()
+    called = []
+
+    def trap(name):
+        def fn(*args, **kwargs):
+            called.append(name)
+            raise AssertionError(f"{name} was called on model text")
+        return fn
+
+    for name in ("eval", "exec", "compile"):
+        monkeypatch.setattr(builtins, name, trap(name))
+    monkeypatch.setattr(os, "system", trap("os.system"))
+    monkeypatch.setattr(subprocess, "Popen", trap("subprocess.Popen"))
+    attack = f"__import__('os').system('touch {marker}')"
+    assert calculator_reward([f"<<{attack}=0>>"]) == [0.0]
+    texts = [
+        attack,
+        f"<<{attack}=0>>",
+        f"Tom has <<2+2=4>>4 toys.\n#### {attack}",
+        f"<<(lambda: {attack})()=1>>\n#### 4",
+        f"#### {{{{ {attack} }}}}",
+        "<<().__class__.__base__.__subclasses__()=1>>",
+        "<<9**9**9**9=1>>\n#### 1e999999",
+        "#### " + "9" * 5000,
+        "<<" + "(" * 500 + "1" + ")" * 500 + "=1>>",
+        "\x00<<1/0=1>>\ud800#### nan",
+    ]
+    completions = texts + [[{"role": "assistant", "content": t}] for t in texts]
+    n = len(completions)
+    kwargs = dict(prompts=["q"] * n, completions=completions, completion_ids=[[1]] * n, answer=["4"] * n,
+                  solution=["x"] * n, trainer_state=None, log_extra=lambda *a, **k: None,
+                  log_metric=lambda *a, **k: None)
+    for func in REWARD_FUNCS:
+        rewards = func(**kwargs)
+        assert len(rewards) == n and all(isinstance(r, float) and math.isfinite(r) for r in rewards), func.__name__
+    assert not called and not marker.exists()

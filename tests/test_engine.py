@@ -9,11 +9,11 @@ from scipy.stats import chisquare
 from transformers import DynamicCache, GenerationConfig
 
 from specroll_trl.engine import verify as verify_mod
+from specroll_trl.engine.budget import node_budget
 from specroll_trl.engine.compat import check_model_supported
-from specroll_trl.engine.generator import SpeculativeGenerator
+from specroll_trl.engine.generator import SpeculativeConfig, SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.engine.kvcache import RaggedCache
-from specroll_trl.engine.budget import node_budget
 from specroll_trl.engine.tree import PathTable, select_tree
 from specroll_trl.experiments.zoo import task_prompt_ids
 
@@ -35,10 +35,24 @@ def generate_reference(model, ids, mask, gc):
     return cut_after_eos(out, set(eos))
 
 
+def small_engine(model=None, **options):
+    """A 2-head engine with 5 new tokens, eos 1, pad 0 and ``C_hw`` 8 unless ``options`` say otherwise."""
+    model = model or make_model()
+    gc = GenerationConfig(max_new_tokens=5, eos_token_id=1, pad_token_id=0)
+    return SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), gc, **{"capacity": 8, **options})
+
+
+def count_forwards(model) -> list:
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
 # --------------------------------------------------------------------------- greedy identity
 
 
-@pytest.mark.parametrize("batch_size,num_prompts", [(1, 50), (3, 60), (16, 64)])
+@pytest.mark.parametrize("batch_size,num_prompts",
+                         [pytest.param(1, 50, marks=pytest.mark.slow), (3, 60), (16, 64)])
 def test_greedy_equals_generate_with_trained_heads(nano, batch_size, num_prompts):
     model, tokenizer, heads = nano
     prompts = task_prompt_ids(tokenizer, "arithmetic", num_prompts, seed=777)
@@ -342,20 +356,53 @@ def test_node_budget_grows_as_rows_finish_and_respects_capacity():
     assert all(n1 <= n2 for n1, n2 in zip(nodes, nodes[1:]))
 
 
-def test_unsupported_models_are_detected():
+def test_capacity_below_the_batch_size_means_no_drafting_and_stays_exact():
+    """SPEC 2.2: N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max); C_hw < B_t is valid and just disables drafting."""
+    model = make_model(vocab=40, scale=4.0, seed=3)
+    heads = noisy_heads(model, std=0.3)
+    prompts = [[5, 6, 7], [3, 4], [10, 11, 12, 13], [2]]
+    ids, mask = left_padded(prompts)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=1, pad_token_id=0)
+    out = SpeculativeGenerator(model, heads, gc, capacity=1, max_nodes=8).generate(ids, mask)
+    assert out.stats["nodes_per_row"] and set(out.stats["nodes_per_row"]) == {0}
+    ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)[:, ids.shape[1]:].tolist()
+    assert out.completion_ids == cut_after_eos(ref, {1})
+
+
+@pytest.mark.parametrize(
+    "kind,match",
+    [
+        ("flash_attention_2", "flash_attention_2"),
+        ("flex_attention", "flex_attention"),
+        ("flash_attention_3", "flash_attention_3"),
+        ("encoder_decoder", "encoder-decoder"),
+        ("mamba", "mamba"),
+        ("linear_attention", "linear_attention"),
+        ("sliding_attention", "sliding_attention"),
+        ("sliding_window", "sliding-window"),
+    ],
+)
+def test_unsupported_attention_and_cache_kinds_fail_at_construction(kind, match):
     model = make_model()
-    model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match="flash_attention_2"):
+    if kind == "encoder_decoder":
+        model.config.is_encoder_decoder = True
+    elif kind in ("mamba", "linear_attention", "sliding_attention"):
+        model.config.layer_types = [kind, "full_attention"]
+    elif kind == "sliding_window":
+        model.config.use_sliding_window, model.config.sliding_window = True, 16
+    else:
+        model.config._attn_implementation = kind
+    with pytest.raises(ValueError, match=match):
         check_model_supported(model)
+    with pytest.raises(ValueError, match=match):
+        small_engine(model)
+
+
+def test_feed_forward_layer_kinds_are_supported():
     model = make_model()
-    model.config.layer_types = ["full_attention", "moe"]  # feed-forward kinds are fine
+    model.config.layer_types = ["full_attention", "moe"]  # only attention/cache kinds matter
     check_model_supported(model)
-    model.config.layer_types = ["linear_attention", "full_attention"]
-    with pytest.raises(ValueError, match="linear_attention"):
-        check_model_supported(model)
-    model.config.layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(ValueError, match="sliding"):
-        SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), model.generation_config)
+    small_engine(model)
 
 
 def test_fallback_to_generate_is_logged_and_exact(caplog):
@@ -373,46 +420,107 @@ def test_fallback_to_generate_is_logged_and_exact(caplog):
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "options,error,match",
     [
-        (dict(topk_per_head=0), "topk_per_head"),
-        (dict(max_nodes=-1), "max_nodes"),
-        (dict(capacity=0), "capacity"),
+        (dict(topk_per_head=0), ValueError, "topk_per_head must be >= 1"),
+        (dict(max_nodes=-1), ValueError, "max_nodes must be >= 0"),
+        (dict(capacity=0), ValueError, r"capacity \(C_hw\) must be >= 1"),
+        (dict(max_nodes=2.5), TypeError, "max_nodes must be an int"),
+        (dict(topk_per_head=True), TypeError, "topk_per_head must be an int"),
+        (dict(capacity=64.0), TypeError, "capacity must be an int"),
+        (dict(compact_ratio=0.0), ValueError, "compact_ratio"),
+        (dict(compact_ratio=1.5), ValueError, "compact_ratio"),
     ],
 )
-def test_invalid_engine_options(kwargs, match):
+def test_invalid_engine_config_values(options, error, match):
+    with pytest.raises(error, match=match):
+        SpeculativeConfig(**options)
     model = make_model()
-    with pytest.raises(ValueError, match=match):
-        SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), model.generation_config, **kwargs)
+    with pytest.raises(error, match=match):
+        SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), model.generation_config, **options)
 
 
-def test_bad_inputs_are_refused():
+def test_topk_per_head_larger_than_vocab_is_refused_at_construction():
+    model = make_model(vocab=32)
+    with pytest.raises(ValueError, match=r"topk_per_head \(33\) exceeds the model's vocab size \(32\)"):
+        small_engine(model, topk_per_head=33)
+    small_engine(model, topk_per_head=32)  # the whole vocabulary is allowed
+
+
+def test_incompatible_heads_and_unreproducible_processors_are_refused():
     model = make_model()
-    eng = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
-                               GenerationConfig(max_new_tokens=5, eos_token_id=1, pad_token_id=0), capacity=8)
-    with pytest.raises(ValueError, match="non-empty"):
-        eng.generate(torch.zeros((0, 3), dtype=torch.long))
-    with pytest.raises(ValueError, match="left-padded"):
-        eng.generate(torch.tensor([[3, 4, 0]]), torch.tensor([[1, 1, 0]]))
-    with pytest.raises(ValueError, match="context"):
-        eng.generate(torch.tensor([[3] * 10]), max_new_tokens=600)
     other = make_model(vocab=64)
     with pytest.raises(ValueError, match="vocab"):
         SpeculativeGenerator(model, SpeculativeHeads.from_model(other, 2))
+    engine = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
+                                  GenerationConfig(do_sample=True, no_repeat_ngram_size=2, max_new_tokens=4,
+                                                   eos_token_id=1), capacity=8)  # C_hw given: no profiling
+    calls = count_forwards(model)
     with pytest.raises(ValueError, match="processors"):
-        SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
-                             GenerationConfig(do_sample=True, no_repeat_ngram_size=2, max_new_tokens=4,
-                                              eos_token_id=1)).generate(torch.tensor([[3, 4]]))
+        engine.generate(torch.tensor([[3, 4]]))
+    assert not calls, "the model ran before the generation config was refused"
 
 
-def test_nan_logits_name_step_and_row():
-    model = make_model()
-    eng = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
-                               GenerationConfig(max_new_tokens=5, eos_token_id=1, pad_token_id=0), capacity=8)
-    with torch.no_grad():
-        model.lm_head.weight[3] = float("nan")
-    with pytest.raises(FloatingPointError, match="step 0"):
-        eng.generate(torch.tensor([[3, 4], [5, 6]]))
+@pytest.mark.parametrize(
+    "ids,mask,max_new,error,match",
+    [
+        ([[3, 40]], None, 5, ValueError, r"outside the model's vocabulary \[0, 32\): \[40\]"),
+        ([[-3, 4]], None, 5, ValueError, r"outside the model's vocabulary \[0, 32\): \[-3\]"),
+        ([[3.0, 4.0]], None, 5, TypeError, "integer token ids"),
+        ([[0, 3], [0, 0]], [[0, 1], [0, 0]], 5, ValueError, "at least one token"),
+        ([[3, 4]], [[1, 1, 1]], 5, ValueError, "attention_mask shape"),
+        ([[3, 4, 0]], [[1, 1, 0]], 5, ValueError, "left-padded"),
+        ([[3, 4]], None, 0, ValueError, "max_new_tokens must be >= 1"),
+        ([[3] * 520], None, 1, ValueError, "context of 512 positions"),
+        ([[3] * 10], None, 600, ValueError, "context of 512 positions"),  # the prompt fits, prompt + budget not
+        ((1, 0), None, 5, ValueError, "non-empty"),  # a shape: zero-length prompts
+        ((0, 3), None, 5, ValueError, "non-empty"),  # a shape: no prompts
+    ],
+)
+def test_bad_prompts_are_refused_before_any_forward(ids, mask, max_new, error, match):
+    model = make_model(vocab=32)
+    engine = small_engine(model)
+    calls = count_forwards(model)
+    ids = torch.zeros(ids, dtype=torch.long) if isinstance(ids, tuple) else torch.tensor(ids)
+    mask = torch.tensor(mask) if mask is not None else None
+    with pytest.raises(error, match=match):
+        engine.generate(ids, mask, max_new_tokens=max_new)
+    assert not calls, "the model ran before the input was refused"
+
+
+def test_padding_ids_outside_the_vocab_are_not_an_error():
+    """Only attended positions are checked: a pad id is never embedded for a real token."""
+    model = make_model(vocab=32)
+    out = small_engine(model).generate(torch.tensor([[3, 4], [0, 5]]), torch.tensor([[1, 1], [0, 1]]))
+    assert len(out.completion_ids) == 2
+
+
+@pytest.mark.parametrize("value,step,row", [(float("nan"), 0, None), (float("nan"), 2, 1), (float("inf"), 1, 0),
+                                            (-float("inf"), 3, 2)])
+def test_non_finite_logits_name_step_and_row(value, step, row):
+    """``row`` None: a NaN lm_head weight row poisons every row's logits from the prefill (step 0) on, with
+    drafting on; otherwise one logit of one row is poisoned at one step, with drafting off (one forward a step)."""
+    model = make_model(vocab=32)
+    model.generation_config.eos_token_id = None  # no row finishes, so batch rows keep their indices
+    gc = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    engine = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), gc,
+                                  capacity=8 if row is None else 1)
+    calls = []
+
+    def poison(_module, _args, output):
+        calls.append(1)
+        if row is not None and len(calls) == step + 1:  # call 1 is the prefill (step 0)
+            output.logits[row, -1, 5] = value
+        return output
+
+    model.register_forward_hook(poison)
+    if row is None:
+        with torch.no_grad():
+            model.lm_head.weight[3] = value
+    rows = "0, 1, 2" if row is None else row
+    with pytest.raises(FloatingPointError, match=rf"NaN or inf at decoding step {step} for batch rows \[{rows}\]"):
+        engine.generate(torch.tensor([[3, 4], [5, 6], [7, 8]]))
+    assert len(calls) == step + 1  # stopped at once
 
 
 def test_logprobs_are_target_log_softmax_over_temperature(nano):

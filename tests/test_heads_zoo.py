@@ -2,16 +2,17 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specroll_trl.experiments import zoo
 from specroll_trl.adapt.distill import HeadDistillConfig, build_stream, head_hit_rates, train_heads_on_stream
 from specroll_trl.engine.heads import SpeculativeHeads
+from specroll_trl.experiments import zoo
 
 from .conftest import make_model
 
@@ -21,7 +22,7 @@ VOCAB = 12
 def cyclic_stream(model, length=60):
     """A deterministic sequence 2,3,...,11,2,3,...: x_{t+1+k} is a function of x_t."""
     seq = [2 + (i % (VOCAB - 2)) for i in range(length)]
-    return build_stream(model, [(seq[:1], seq[1:])])
+    return build_stream(model, [(seq[:1], seq[1:])], temperature=1.0, topk=VOCAB)
 
 
 def test_stream_targets_use_the_right_offsets():
@@ -42,7 +43,7 @@ def test_heads_learn_to_predict_exactly_x_t_plus_1_plus_k():
     heads = SpeculativeHeads.from_model(model, num_heads=3)
     config = HeadDistillConfig(steps=400, batch_size=64, lr=1e-2, kl_weight=0.0, nll_weight=1.0)
     train_heads_on_stream(heads, model.lm_head, stream, config, progress=False)
-    rates = head_hit_rates(heads, model.lm_head, stream, ks=(1,))
+    rates, _ = head_hit_rates(heads, heads.projection(model.lm_head), stream, ks=(1,))
     assert [r[1] for r in rates] == [1.0, 1.0, 1.0]
     # and the prediction is exactly the token k places after the next one
     with torch.no_grad():
@@ -76,31 +77,86 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
         assert n1 == n2 and torch.equal(a, b)
 
 
-def test_mismatched_heads_and_bad_folders_are_refused(tmp_path):
+def test_mismatched_heads_are_refused():
     model = make_model(vocab=VOCAB, hidden=32)
     with pytest.raises(ValueError, match="hidden size"):
         SpeculativeHeads.from_model(make_model(vocab=VOCAB, hidden=64)).check_compatible(model)
     with pytest.raises(ValueError, match="vocab"):
         SpeculativeHeads.from_model(make_model(vocab=VOCAB + 4)).check_compatible(model)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        SpeculativeHeads.from_pretrained(tmp_path / "missing")
-    heads = SpeculativeHeads.from_model(model, 2)
-    heads.save_pretrained(tmp_path / "h")
-    weights = tmp_path / "h" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])  # truncated
-    with pytest.raises(ValueError, match="safetensors"):
-        SpeculativeHeads.from_pretrained(tmp_path / "h")
-    weights.write_bytes(b"\x80\x04\x95 not safetensors, e.g. a pickle")
-    with pytest.raises(ValueError, match="safetensors"):
-        SpeculativeHeads.from_pretrained(tmp_path / "h")
-    heads.save_pretrained(tmp_path / "h2")
-    cfg = json.loads((tmp_path / "h2" / "config.json").read_text())
-    cfg["num_heads"] = 3
-    (tmp_path / "h2" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="does not match its config"):
-        SpeculativeHeads.from_pretrained(tmp_path / "h2")
     with pytest.raises(ValueError, match="num_heads"):
         SpeculativeHeads.from_model(model, num_heads=0)
+
+
+def saved_heads(tmp_path, model=None) -> Path:
+    model = model or make_model(vocab=16)
+    folder = tmp_path / "heads"
+    SpeculativeHeads.from_model(model, 2).save_pretrained(folder)
+    return folder
+
+
+def test_heads_path_that_is_missing_or_a_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SpeculativeHeads.from_pretrained(tmp_path / "missing")
+    folder = saved_heads(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is a file, not a heads folder"):
+        SpeculativeHeads.from_pretrained(folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_heads_folder_missing_a_file(tmp_path, name):
+    folder = saved_heads(tmp_path)
+    (folder / name).unlink()
+    with pytest.raises(FileNotFoundError, match=f"has no {name}"):
+        SpeculativeHeads.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    "config_text,match",
+    [
+        (lambda cfg: "{not json", "not a valid heads config"),
+        (lambda cfg: json.dumps({"num_heads": 2, "hidden_size": 0, "vocab_size": 16}),
+         "hidden_size must be a positive int"),
+        (lambda cfg: json.dumps({"num_heads": "2", "hidden_size": 32, "vocab_size": 16}),
+         "num_heads must be a positive int"),
+        (lambda cfg: json.dumps([1, 2]), "not a valid heads config"),
+        (lambda cfg: json.dumps({**cfg, "num_heads": 3}), "does not match its config"),  # weights hold 2 heads
+    ],
+    ids=["not-json", "hidden-0", "num-heads-str", "a-list", "disagrees-with-weights"],
+)
+def test_heads_folder_with_a_bad_config(tmp_path, config_text, match):
+    folder = saved_heads(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(config_text(cfg))
+    with pytest.raises(ValueError, match=match):
+        SpeculativeHeads.from_pretrained(folder)
+
+
+def test_heads_with_unreadable_non_finite_or_misshapen_weights(tmp_path):
+    folder = saved_heads(tmp_path)
+    weights = folder / "model.safetensors"
+    state = {k: v.clone() for k, v in load_file(str(weights)).items()}  # copies: the file is rewritten below
+    name = sorted(state)[0]
+    poisoned = dict(state)
+    poisoned[name] = state[name].clone()
+    poisoned[name].view(-1)[0] = float("nan")
+    save_file(poisoned, str(weights))
+    with pytest.raises(ValueError, match="contains NaN or inf"):
+        SpeculativeHeads.from_pretrained(folder)
+    reshaped = dict(state)
+    reshaped[name] = torch.zeros(3, 3)
+    save_file(reshaped, str(weights))
+    with pytest.raises(ValueError, match="has shape"):
+        SpeculativeHeads.from_pretrained(folder)
+    save_file(state, str(weights))
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match="safetensors"):
+        SpeculativeHeads.from_pretrained(folder)
+    weights.write_bytes(b"\x80\x04\x95 not safetensors, e.g. a pickle")
+    with pytest.raises(ValueError, match="safetensors"):
+        SpeculativeHeads.from_pretrained(folder)
+    weights.write_bytes(b"")  # empty file
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        SpeculativeHeads.from_pretrained(folder)
 
 
 def test_lora_wrapped_heads_train_and_save_only_adapters(tmp_path):

@@ -82,6 +82,7 @@ def check_lockstep(records: list[dict]) -> None:
         assert c0["forwards"] + c0["sync_forwards"] == c1["forwards"] + c1["sync_forwards"], (c0, c1)
 
 
+@pytest.mark.slow
 @requires_deepspeed
 def test_deepspeed_zero2_two_processes(nano, tmp_path):
     records = launch_sharded_run("deepspeed_zero2_cpu.yaml", tmp_path)
@@ -90,6 +91,7 @@ def test_deepspeed_zero2_two_processes(nano, tmp_path):
         assert not any(r["synced"]) and all(c["sync_forwards"] == 0 for c in r["calls"])
 
 
+@pytest.mark.slow
 @requires_deepspeed
 @pytest.mark.parametrize("zero3_init", ["false", "true"])
 def test_deepspeed_zero3_without_gather_keeps_ranks_in_lockstep(nano, tmp_path, zero3_init):
@@ -101,6 +103,7 @@ def test_deepspeed_zero3_without_gather_keeps_ranks_in_lockstep(nano, tmp_path, 
     assert sum(c["sync_forwards"] for r in records for c in r["calls"]) > 0
 
 
+@pytest.mark.slow
 @requires_deepspeed
 def test_deepspeed_zero3_with_gather_for_generation(nano, tmp_path):
     records = launch_sharded_run("deepspeed_zero3_cpu.yaml", tmp_path)
@@ -133,6 +136,7 @@ def _fsdp2_rank(rank: int, port: int, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_fully_shard_on_cpu_keeps_ranks_in_lockstep():
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()

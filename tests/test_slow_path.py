@@ -18,10 +18,10 @@ from specroll_trl import (
     SpeculativeGenerator,
     SpeculativeHeads,
 )
-from specroll_trl.experiments import zoo
-from specroll_trl.experiments.bench import perturbed_policy
 from specroll_trl.adapt.buffer import BufferCapture, HeadBuffer
 from specroll_trl.adapt.consolidation import ConsolidationConfig, consolidate_heads
+from specroll_trl.experiments import zoo
+from specroll_trl.experiments.bench import perturbed_policy
 
 from .conftest import left_padded, make_model
 from .test_engine import nano_sampling_inputs, noisy_heads
@@ -242,6 +242,7 @@ def test_peft_heads_update_only_their_adapters():
     assert changed and all("lora_" in k for k in changed)
 
 
+@pytest.mark.slow
 def test_consolidation_raises_acceptance_on_a_drifted_target(nano):
     model, _, heads = nano
     target = perturbed_policy(model, scale=1.0, seed=0)

@@ -40,6 +40,7 @@ def _rank(rank: int, port: int, synced: bool, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("synced", [True, False])
 def test_ranks_issue_the_same_number_of_forwards_when_synced(synced):
     ctx = mp.get_context("spawn")

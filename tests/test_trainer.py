@@ -1,7 +1,10 @@
 """SpecGRPOTrainer as a drop-in GRPOTrainer: short offline GRPO runs on the nano policy."""
 
+import dataclasses
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig
+from safetensors.torch import load_file
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads
 from specroll_trl.experiments import zoo
-from specroll_trl.experiments.tasks import make_arithmetic_task
 from specroll_trl.experiments.rewards import REWARD_FUNCS
+from specroll_trl.experiments.tasks import make_arithmetic_task
+
+from .conftest import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,9 +43,13 @@ def dataset():
     return make_arithmetic_task(32, seed=3)
 
 
+def new_trainer(args, dataset, trainer_cls=SpecGRPOTrainer, **kwargs):
+    return trainer_cls(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=args,
+                       train_dataset=dataset, **kwargs)
+
+
 def run(trainer_cls, args, dataset, **kwargs):
-    trainer = trainer_cls(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=args,
-                          train_dataset=dataset, **kwargs)
+    trainer = new_trainer(args, dataset, trainer_cls, **kwargs)
     trainer.train()
     return trainer
 
@@ -65,6 +76,7 @@ def test_spec_run_logs_spec_metrics_and_matches_grpo_keys(nano, tmp_path, datase
     assert not head_params & {id(p) for p in spec.model.parameters()}
 
 
+@pytest.mark.slow  # self-distils heads before the first step
 def test_plain_grpo_config_works_with_defaults(nano, tmp_path, dataset):
     args = small_args(tmp_path, cls=GRPOConfig, max_steps=1)
     with pytest.warns(UserWarning, match="zero-initialised heads|self-distilling"):
@@ -73,28 +85,6 @@ def test_plain_grpo_config_works_with_defaults(nano, tmp_path, dataset):
     assert trainer.spec.enabled and trainer.spec_heads is not None
     trainer.train()
     assert any("spec/tau" in r for r in trainer.state.log_history)
-
-
-def test_checkpoint_and_resume_restore_heads_bit_exactly(nano, tmp_path, dataset):
-    args = small_args(tmp_path, save_strategy="steps", save_steps=1)
-    trainer = run(SpecGRPOTrainer, args, dataset)
-    ckpt = Path(args.output_dir) / "checkpoint-2"
-    saved = SpeculativeHeads.from_pretrained(ckpt / "spec_heads")
-    for a, b in zip(saved.state_dict().values(), trainer.spec_heads.state_dict().values()):
-        assert torch.equal(a, b)
-    # a new trainer whose heads differ gets the checkpoint's heads back on resume
-    args2 = small_args(tmp_path, save_strategy="steps", save_steps=1, max_steps=3)
-    resumed = SpecGRPOTrainer(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=args2,
-                              train_dataset=dataset)
-    with torch.no_grad():
-        for p in resumed.spec_heads.parameters():
-            p.add_(1.0)
-    resumed.train(resume_from_checkpoint=str(ckpt))
-    assert resumed.state.global_step == 3
-    for a, b in zip(saved.state_dict().values(), resumed.spec_heads.state_dict().values()):
-        assert torch.equal(a, b)
-    resumed.save_model(str(tmp_path / "final"))
-    assert (tmp_path / "final" / "spec_heads" / "model.safetensors").is_file()
 
 
 def test_peft_policy(nano, tmp_path, dataset):
@@ -160,19 +150,202 @@ def test_spec_disabled_uses_trl_generate(nano, tmp_path, dataset):
     assert not any(k.startswith("spec/") for k in logged_keys(trainer))
 
 
-def test_invalid_spec_config_values():
-    with pytest.raises(ValueError, match="spec_max_nodes"):
-        SpecGRPOConfig(output_dir="x", spec_max_nodes=-1, bf16=False)
-    with pytest.raises(ValueError, match="spec_init_heads"):
-        SpecGRPOConfig(output_dir="x", spec_init_heads="random", bf16=False)
-    with pytest.raises(ValueError, match="spec_capacity"):
-        SpecGRPOConfig(output_dir="x", spec_capacity=0, bf16=False)
-    with pytest.raises(ValueError, match="lam"):
-        SpecGRPOConfig(output_dir="x", spec_reflex="baseline", spec_reflex_kwargs={"lam": 2.0}, bf16=False)
-    with pytest.raises(ValueError, match="unknown Reflex preset|preset"):
-        SpecGRPOConfig(output_dir="x", spec_reflex="no-such-preset", bf16=False)
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (dict(spec_num_heads=0), ValueError, "spec_num_heads must be an int >= 1, got 0"),
+        (dict(spec_topk_per_head=0), ValueError, "spec_topk_per_head must be >= 1"),
+        (dict(spec_distill_samples=-5), ValueError, "spec_distill_samples must be an int >= 1, got -5"),
+        (dict(spec_distill_steps=0), ValueError, "spec_distill_steps must be an int >= 1, got 0"),
+        (dict(spec_max_nodes=-1), ValueError, "spec_max_nodes"),
+        (dict(spec_capacity=0), ValueError, "spec_capacity"),
+        (dict(spec_capacity=-3), ValueError, r"spec_capacity \(C_hw\) must be >= 1 or None \(online budget\), got -3"),
+        (dict(spec_max_nodes=2.5), TypeError, "spec_max_nodes must be an int"),
+        (dict(spec_num_heads=None), TypeError, "spec_num_heads must be an int"),
+        (dict(spec_capacity=True), TypeError, "spec_capacity must be an int"),
+        (dict(spec_init_heads="random"), ValueError, "spec_init_heads"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"lam": 2.0}), ValueError, "lam"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"rho_decay": 1.0}), ValueError, "rho_decay"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"eta": -1.0}), ValueError, "eta"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"support_k": 0}), ValueError, "support_k"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"rho_min": 1.5}), ValueError, "rho_min"),
+        (dict(spec_reflex="no-such-preset"), ValueError, "unknown Reflex preset|preset"),
+    ],
+    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None,
+)
+def test_invalid_spec_config_values(overrides, error, match):
+    """Refused when the config is built (Reflex settings included), before any trainer or model exists."""
+    with pytest.raises(error, match=match):
+        SpecGRPOConfig(output_dir="x", bf16=False, **overrides)
 
 
+# --------------------------------------------------------------------------- bad trainer paths and heads
+
+
+@pytest.mark.parametrize("kind,match", [("missing", "does not exist"), ("file", "is a file"),
+                                        ("no_config", "has no config.json"), ("empty", "has no config.json")])
+def test_bad_spec_heads_path_fails_before_the_policy_is_loaded(nano, tmp_path, dataset, monkeypatch, kind, match):
+    path = tmp_path / "heads"
+    if kind == "file":
+        path.write_text("not a folder")
+    elif kind == "no_config":
+        shutil.copytree(zoo.heads_dir("nano"), path)
+        (path / "config.json").unlink()
+    elif kind == "empty":
+        path.mkdir()
+
+    def loaded(*args, **kwargs):
+        pytest.fail("GRPOTrainer.__init__ (policy loading) ran before spec_heads_path was checked")
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", loaded)
+    with pytest.raises(FileNotFoundError, match=match):
+        new_trainer(small_args(tmp_path, spec_heads_path=str(path)), dataset)
+
+
+def test_incompatible_heads_and_topk_fail_at_trainer_init(nano, tmp_path, dataset):
+    wrong = SpeculativeHeads.from_model(make_model(vocab=512, hidden=32), 2)
+    with pytest.raises(ValueError, match="hidden size 32"):
+        new_trainer(small_args(tmp_path), dataset, heads=wrong)
+    with pytest.raises(ValueError, match=r"spec_topk_per_head \(600\) exceeds the model's vocab size \(512\)"):
+        new_trainer(small_args(tmp_path, spec_topk_per_head=600), dataset)
+
+
+# --------------------------------------------------------------------------- checkpoints: faults lose nothing
+
+
+class CrashAfterSave(TrainerCallback):
+    """Simulates a killed run: raises right after the checkpoint of step ``at`` is on disk."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise KeyboardInterrupt(f"simulated crash after checkpoint {self.at}")
+
+
+class Snapshot(TrainerCallback):
+    """Heads and policy weights as training (re)starts, i.e. right after the checkpoint was loaded."""
+
+    def __init__(self, trainer):
+        self.trainer, self.heads, self.policy = trainer, None, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.heads = {k: v.clone() for k, v in self.trainer.spec_heads.state_dict().items()}
+        self.policy = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def interrupted(nano, tmp_path_factory, dataset):
+    """A 3-step run with a checkpoint every step, killed right after checkpoint-2 was written; also the heads
+    the run had when it was killed."""
+    tmp = tmp_path_factory.mktemp("interrupted")
+    args = small_args(tmp, max_steps=3, save_strategy="steps", save_steps=1)
+    trainer = new_trainer(args, dataset)
+    trainer.add_callback(CrashAfterSave(2))
+    with pytest.raises(KeyboardInterrupt, match="simulated crash"):
+        trainer.train()
+    ckpt = Path(args.output_dir) / "checkpoint-2"
+    assert (ckpt / "spec_heads" / "model.safetensors").is_file() and not (ckpt.parent / "checkpoint-3").exists()
+    return tmp, ckpt, {k: v.clone() for k, v in trainer.spec_heads.state_dict().items()}
+
+
+def perturbed(trainer):
+    with torch.no_grad():
+        for p in trainer.spec_heads.parameters():
+            p.add_(0.5)
+    return {k: v.clone() for k, v in trainer.spec_heads.state_dict().items()}
+
+
+def test_interrupted_run_resumes_with_heads_and_trainer_state_intact(interrupted, dataset):
+    tmp, ckpt, heads_at_crash = interrupted
+    # the checkpoint holds the heads the run had, readable through the public loader
+    saved = SpeculativeHeads.from_pretrained(ckpt / "spec_heads")
+    assert saved.state_dict().keys() == heads_at_crash.keys()
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(tensor, heads_at_crash[name]), name
+    saved_heads_state = load_file(str(ckpt / "spec_heads" / "model.safetensors"))
+    saved_policy = load_file(str(ckpt / "model.safetensors"))
+    saved_state = json.loads((ckpt / "trainer_state.json").read_text())
+    args = small_args(tmp / "resume", max_steps=3, save_strategy="steps", save_steps=1)
+    trainer = new_trainer(args, dataset)
+    perturbed(trainer)  # a fresh run's heads differ from the checkpoint's
+    snap = Snapshot(trainer)
+    trainer.add_callback(snap)
+    trainer.train(resume_from_checkpoint=str(ckpt))
+
+    assert snap.heads.keys() == saved_heads_state.keys()
+    for name, tensor in saved_heads_state.items():
+        assert torch.equal(snap.heads[name], tensor), name  # bit-equal at restart
+        assert torch.equal(trainer.spec_heads.state_dict()[name], tensor), name  # rollouts never change them
+    for name, tensor in saved_policy.items():
+        assert torch.equal(snap.policy[name], tensor), name
+    # trainer state: step counter, the interrupted run's log and the finished third step
+    assert trainer.state.global_step == 3
+    old_rows = [r for r in saved_state["log_history"] if "loss" in r]
+    new_rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["step"] for r in old_rows] == [1, 2] and [r["step"] for r in new_rows] == [1, 2, 3]
+    assert new_rows[:2] == old_rows
+    assert math.isfinite(new_rows[2]["loss"]) and "spec/tau" in new_rows[2]
+    final = load_file(str(Path(args.output_dir) / "checkpoint-3" / "spec_heads" / "model.safetensors"))
+    assert all(torch.equal(final[k], v) for k, v in saved_heads_state.items())
+    trainer.save_model(str(tmp / "final"))
+    assert (tmp / "final" / "spec_heads" / "model.safetensors").is_file()
+
+
+def corrupt(folder: Path, how: str) -> None:
+    weights = folder / "spec_heads" / "model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "pickle":
+        weights.write_bytes(b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x05posix\x94.")
+    elif how == "no_config":
+        (folder / "spec_heads" / "config.json").unlink()
+    elif how == "wrong_model":
+        shutil.rmtree(folder / "spec_heads")
+        SpeculativeHeads.from_model(make_model(vocab=512, hidden=32), 4).save_pretrained(folder / "spec_heads")
+    elif how == "other_config":  # fits the policy, but not the trainer's heads
+        config = SpeculativeHeads.from_pretrained(folder / "spec_heads").config
+        shutil.rmtree(folder / "spec_heads")
+        other = SpeculativeHeads(dataclasses.replace(config, num_heads=config.num_heads + 1))
+        other.save_pretrained(folder / "spec_heads")
+
+
+@pytest.mark.parametrize("how,match", [("truncated", "not a readable safetensors file"),
+                                       ("pickle", "not a readable safetensors file"),
+                                       ("no_config", "has no config.json"), ("wrong_model", "hidden size 32"),
+                                       ("other_config", "its heads have config .*pass spec_heads_path=")])
+def test_corrupted_heads_checkpoint_is_refused_on_resume(interrupted, dataset, tmp_path, how, match):
+    _, ckpt, _ = interrupted
+    broken = tmp_path / "checkpoint-2"
+    shutil.copytree(ckpt, broken)
+    corrupt(broken, how)
+    trainer = new_trainer(small_args(tmp_path, max_steps=3), dataset)
+    before = perturbed(trainer)
+    with pytest.raises(ValueError, match=rf"refusing to resume from .*speculative heads \(spec_heads/\).*{match}"):
+        trainer.train(resume_from_checkpoint=str(broken))
+    assert trainer.state.global_step == 0  # no step was taken
+    for name, tensor in trainer.spec_heads.state_dict().items():
+        assert torch.equal(tensor, before[name]), "heads were (partly) loaded from a corrupted checkpoint"
+
+
+def test_checkpoint_without_heads_warns_and_keeps_current_heads(interrupted, dataset, tmp_path):
+    _, ckpt, _ = interrupted
+    plain = tmp_path / "checkpoint-2"
+    shutil.copytree(ckpt, plain)
+    shutil.rmtree(plain / "spec_heads")  # e.g. a checkpoint written by a plain GRPOTrainer
+    trainer = new_trainer(small_args(tmp_path, max_steps=3), dataset)
+    before = perturbed(trainer)
+    with pytest.warns(UserWarning, match="has no spec_heads/ folder"):
+        trainer.train(resume_from_checkpoint=str(plain))
+    assert trainer.state.global_step == 3
+    assert all(torch.equal(v, before[k]) for k, v in trainer.spec_heads.state_dict().items())
+
+
+# --------------------------------------------------------------------------- multi-process and tools
+
+
+@pytest.mark.slow
 def test_two_process_accelerate_launch(nano, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",

@@ -279,8 +279,9 @@ class SpeculativeGenerator:
         if self.supported_error is not None:
             return self._fallback(input_ids, attention_mask, gen, max_new, start)
         gen.max_new_tokens = max_new
+        target = TargetDistribution(self.model, gen, attention_mask)  # refuses unreproducible processors first
         stats = GenerationStats(capacity=self.config.capacity)
-        state = self._prefill(input_ids, attention_mask, gen, stats)
+        state = self._prefill(input_ids, attention_mask, target, stats)
         hooks = TimedHooks(self.hooks, stats)
         hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head,
                                               state.projection))
@@ -295,10 +296,9 @@ class SpeculativeGenerator:
             self._retire(state, step, verdict)
         return self._finish(state, hooks, stats, start)
 
-    def _prefill(self, input_ids, attention_mask, gen: GenerationConfig, stats: GenerationStats) -> DecodeState:
+    def _prefill(self, input_ids, attention_mask, target: TargetDistribution, stats: GenerationStats) -> DecodeState:
         """Run the prompts (positions as ``generate`` computes them for left padding) and sample every row's root."""
-        device, batch, max_new = input_ids.device, input_ids.shape[0], gen.max_new_tokens
-        target = TargetDistribution(self.model, gen, attention_mask)
+        device, batch, max_new = input_ids.device, input_ids.shape[0], target.generation_config.max_new_tokens
         eos = torch.tensor(self._eos_ids(target.generation_config), device=device, dtype=torch.long)
         pad_len = (attention_mask != 0).int().argmax(1)
         if self.table.depth.device != device:

@@ -81,7 +81,8 @@ class SpecGRPOConfig(GRPOConfig):
         spec_max_nodes (`int`, *optional*, defaults to `16`):
             `N_max`: draft nodes per row per step besides the root.
         spec_capacity (`int` or `None`, *optional*):
-            `C_hw`: query tokens per forward the hardware absorbs cheaply. `None`: profiled once per model.
+            `None`: the node budget is learnt online from the engine's own steps. An int `C_hw`: the fixed
+            formula `N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)`.
         spec_fallback_to_generate (`bool`, *optional*, defaults to `True`):
             On a model the engine cannot run (e.g. FlashAttention-2 only), log and use `generate`.
 
@@ -108,7 +109,7 @@ class SpecGRPOConfig(GRPOConfig):
     spec_distill_steps: int = field(default=300, metadata={"help": "Optimiser steps of the initial distillation."})
     spec_topk_per_head: int = field(default=4, metadata={"help": "Candidates each head adds at its tree depth."})
     spec_max_nodes: int = field(default=16, metadata={"help": "N_max: draft nodes per row per step."})
-    spec_capacity: int | None = field(default=None, metadata={"help": "C_hw; None: profiled once per model."})
+    spec_capacity: int | None = field(default=None, metadata={"help": "C_hw of the fixed budget; None: online."})
     spec_fallback_to_generate: bool = field(default=True, metadata={"help": "Unsupported model: use generate."})
     spec_reflex: str | None = field(default=None, metadata={"help": "Reflex preset name; None: off."})
     spec_reflex_kwargs: dict | str | None = field(default=None, metadata={"help": "Settings of the Reflex hooks."})

@@ -12,7 +12,7 @@ from pathlib import Path
 def _demo(args) -> int:
     from .adapt.distill import format_hit_table
     from .experiments import zoo
-    from .experiments.demo import format_summary, run_demo
+    from .experiments.demo import demo_defaults, format_summary, run_demo
 
     start = time.time()
     print(f"[1/4] policy '{args.model}' (built once, then cached under {zoo.zoo_home()})", flush=True)
@@ -22,24 +22,31 @@ def _demo(args) -> int:
     print(f"      {info.get('parameters', sum(p.numel() for p in model.parameters())) / 1e6:.2f}M parameters, "
           f"built in {info.get('build_seconds', float('nan'))} s", flush=True)
     task = args.task or zoo.preset_task(args.model)
-    print(f"[2/4] held-out evaluation on {args.eval_prompts} '{task}' prompts at temperature 1", flush=True)
-    examples = zoo.task_examples(task, args.eval_prompts, seed=0, split="test")
-    metrics = zoo.evaluate_policy(model, tokenizer, examples, temperature=1.0)
-    print(f"      loss {metrics['heldout_loss']:.3f} nats/token, entropy {metrics['entropy']:.3f} nats/token, "
-          f"correct {100 * metrics['accuracy']:.1f}% of {metrics['num_prompts']} prompts", flush=True)
+    run = {k: v if getattr(args, k, None) is None else getattr(args, k) for k, v in demo_defaults(args.model).items()}
+    if args.model in zoo.PRETRAINED:
+        print(f"[2/4] pretrained chat policy: GRPO on the '{task}' task in chat form, rewards correctness + format "
+              f"(its GSM8K score is about 1-2%: the format reward carries the signal)", flush=True)
+    else:
+        print(f"[2/4] held-out evaluation on {args.eval_prompts} '{task}' prompts at temperature 1", flush=True)
+        examples = zoo.task_examples(task, args.eval_prompts, seed=0, split="test")
+        metrics = zoo.evaluate_policy(model, tokenizer, examples, temperature=1.0)
+        print(f"      loss {metrics['heldout_loss']:.3f} nats/token, entropy {metrics['entropy']:.3f} nats/token, "
+              f"correct {100 * metrics['accuracy']:.1f}% of {metrics['num_prompts']} prompts", flush=True)
+    del model
     heads_path = args.heads
     if heads_path is None:
         print("[3/4] speculative heads (self-distilled on the policy's own samples, cached)", flush=True)
         heads_path = str(zoo.build_heads(args.model))
         report = json.loads((Path(heads_path) / "distill_report.json").read_text())
-        print(format_hit_table([{int(k): v for k, v in r.items()} for r in report["hit_rates"]]))
+        print(format_hit_table([{int(k): v for k, v in r.items()} for r in report["hit_rates"]],
+                               report.get("target_mass")))
     else:
         print(f"[3/4] speculative heads from {heads_path}", flush=True)
-    print(f"[4/4] GRPOTrainer vs SpecGRPOTrainer (Reflex + slow path): {args.steps} steps x {args.repeats} runs each, "
-          f"{args.prompts_per_step} prompts x 8 completions, up to {args.max_completion_length} tokens", flush=True)
-    summary = run_demo(args.model, heads_path, task, steps=args.steps, repeats=args.repeats,
-                       prompts_per_step=args.prompts_per_step, max_completion_length=args.max_completion_length,
-                       capacity=args.capacity, out_dir=args.out, progress=not args.quiet)
+    print(f"[4/4] {' vs '.join(run['trainers'])}: {run['steps']} GRPO steps x {run['repeats']} runs each, "
+          f"{args.prompts_per_step} prompts x 8 completions, up to {run['max_completion_length']} tokens at "
+          f"temperature {run['temperature']}", flush=True)
+    summary = run_demo(args.model, heads_path, task, prompts_per_step=args.prompts_per_step, out_dir=args.out,
+                       progress=not args.quiet, **run)
     print(format_summary(summary))
     print(f"done in {time.time() - start:.0f} s; wrote {' and '.join(summary['files'])}")
     return 0
@@ -153,18 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="build the default policy and its heads, then GRPO vs SpecGRPO side by side")
-    demo.add_argument("--model", default="tiny", help="zoo preset or HF model folder")
+    demo.add_argument("--model", default="smollm2-135m",
+                      help="zoo preset or HF model folder (default: SmolLM2-135M-Instruct; toys: tiny, nano)")
     demo.add_argument("--heads", default=None, help="heads folder (default: the zoo preset's distilled heads)")
     demo.add_argument("--task", default=None, choices=["arithmetic", "gsm8k"],
                       help="GRPO prompts (default: the preset's task)")
     demo.add_argument("--eval-prompts", type=int, default=256)
-    demo.add_argument("--steps", type=int, default=8, help="GRPO steps per run")
-    demo.add_argument("--repeats", type=int, default=2, help="runs of each trainer, alternating")
+    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (smollm2: 3, toys: 8)")
+    demo.add_argument("--repeats", type=int, default=None, help="runs of each trainer, alternating (1 / 2)")
+    demo.add_argument("--trainers", nargs="+", default=None, choices=["vanilla", "spec_static", "spec"],
+                      help="vanilla GRPOTrainer, SpecGRPOTrainer with static heads, and with Reflex + slow path "
+                      "(smollm2: vanilla spec_static; toys: all three)")
+    demo.add_argument("--temperature", type=float, default=None, help="sampling temperature (0.7 / 1.0)")
     demo.add_argument("--prompts-per-step", type=int, default=1, help="prompts per step (x 8 completions)")
-    demo.add_argument("--capacity", type=int, default=40,
-                      help="C_hw, query tokens per forward (40: 4 draft nodes per row at 8 rows, what suits `tiny` on "
-                      "2 CPU cores)")
-    demo.add_argument("--max-completion-length", type=int, default=256)
+    demo.add_argument("--capacity", type=int, default=None,
+                      help="C_hw of the fixed node budget (toys: 40); the online budget when omitted for smollm2")
+    demo.add_argument("--max-completion-length", type=int, default=None, help="(128 / 256)")
     demo.add_argument("--out", default="runs/demo", help="folder for demo.json and demo.png")
     demo.add_argument("--quiet", action="store_true", help="no per-step trainer logs or progress bars")
     demo.set_defaults(func=_demo)

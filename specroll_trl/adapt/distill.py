@@ -287,9 +287,14 @@ def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config:
     return heads, report
 
 
-def format_hit_table(hit_rates: list[dict[int, float]]) -> str:
+def format_hit_table(hit_rates: list[dict[int, float]], target_mass: list[dict] | None = None) -> str:
+    """Per head: top-k hit rates of the realised token, and beside them the target's own top-k mass (the most a
+    draft of k candidates is accepted at, on average) when given."""
     ks = list(hit_rates[0])
-    lines = ["head  " + "  ".join(f"top-{k:<3}" for k in ks)]
+    lines = ["head  " + "  ".join(f"top-{k:<3}" for k in ks) + ("   target top-k mass" if target_mass else "")]
     for h, rates in enumerate(hit_rates, start=1):
-        lines.append(f"{h:>4}  " + "  ".join(f"{100 * rates[k]:5.1f}%" for k in ks))
+        mass = ""
+        if target_mass:
+            mass = "   " + " / ".join(f"{100 * float(v):.0f}%" for v in target_mass[h - 1].values())
+        lines.append(f"{h:>4}  " + "  ".join(f"{100 * rates[k]:5.1f}%" for k in ks) + mass)
     return "\n".join(lines)

@@ -31,7 +31,7 @@ VARIANTS = {
 def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, overrides: dict, steps: int,
              num_generations: int = 8, prompts_per_step: int = 1, max_completion_length: int = 192,
              learning_rate: float = 1e-4, capacity: int | None = None, output_dir: str = "runs/grpo",
-             progress: bool = True) -> dict:
+             progress: bool = True, temperature: float = 1.0) -> dict:
     """One timed GRPO run (``variant == "vanilla"``: TRL's ``GRPOTrainer``, else ``SpecGRPOTrainer`` with
     ``overrides``); its record: per-round tau, acceptance and rewards, generation / step / re-fit seconds."""
     from transformers.trainer_callback import PrinterCallback
@@ -44,7 +44,7 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
         output_dir=f"{output_dir}/{variant}", max_steps=steps, num_generations=num_generations,
         per_device_train_batch_size=num_generations * prompts_per_step,
         max_completion_length=max_completion_length, learning_rate=learning_rate, logging_steps=1,
-        report_to="none", bf16=False, save_strategy="no", seed=0, disable_tqdm=not progress,
+        report_to="none", bf16=False, save_strategy="no", seed=0, disable_tqdm=not progress, temperature=temperature,
         spec_heads_path=heads_path, spec_capacity=capacity, **overrides,
     )
     cls = GRPOTrainer if variant == "vanilla" else SpecGRPOTrainer

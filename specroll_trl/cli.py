@@ -109,11 +109,12 @@ def _bench(args) -> int:
     if args.what == "e2e":
         if args.quick:
             records = bench_e2e(args.model, steps=2, repeats=1, prompts_per_step=2, max_completion_length=128,
-                                capacity=args.capacity)
+                                capacity=args.capacity, temperature=args.temperature)
         else:
             records = bench_e2e(args.model, steps=args.steps or 4, repeats=args.repeats,
                                 max_completion_length=args.max_new_tokens or 256,
-                                prompts_per_step=args.prompts_per_step or 4, capacity=args.capacity)
+                                prompts_per_step=args.prompts_per_step or 4, capacity=args.capacity,
+                                temperature=args.temperature)
         for key, value in records[0].items():
             print(f"{key:>24}: {value}")
         if args.out:
@@ -220,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="C_hw for the fixed node-budget formula (generation: the spec_fixed mode, default 64; "
                        "e2e / ablation / reflex: instead of the online budget, which is used when omitted)")
     bench.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0], help="generation: temperatures")
+    bench.add_argument("--temperature", type=float, default=None,
+                       help="e2e: sampling temperature (default: 0.7 for a pretrained policy, 1.0 for a toy)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                        help="generation: model dtype")
     bench.add_argument("--device", default="cpu", help="generation: device (cpu, cuda)")

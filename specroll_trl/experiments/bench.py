@@ -199,8 +199,10 @@ def _timed(trainer_cls):
 
 def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2, num_generations: int = 8,
               prompts_per_step: int = 4, max_completion_length: int = 256, output_dir: str = "runs/bench_e2e",
-              task: str | None = None, capacity: int | None = None, progress: bool = True) -> list[dict]:
-    """GRPOTrainer vs SpecGRPOTrainer, same config and seed, alternating whole runs; one record."""
+              task: str | None = None, capacity: int | None = None, temperature: float | None = None,
+              progress: bool = True) -> list[dict]:
+    """GRPOTrainer vs SpecGRPOTrainer, same config and seed, alternating whole runs; one record. ``temperature``
+    defaults to the one the preset's heads were distilled at (0.7 for a pretrained policy, 1.0 for a toy)."""
     from trl import GRPOTrainer
 
     from ..trainer import SpecGRPOConfig, SpecGRPOTrainer
@@ -210,6 +212,7 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
     model_path = str(resolve_policy(model_name, progress=progress))
     heads_path = preset_heads(model_name, progress=progress)
     task = task or preset_task(model_name)
+    temperature = temperature or (0.7 if model_name in PRETRAINED else 1.0)
     dataset = preset_dataset(model_name, steps * prompts_per_step, seed=123, task=task)
     results = {"vanilla": {"step": [], "gen": [], "reward": []}, "spec": {"step": [], "gen": [], "reward": []}}
     taus = []
@@ -219,6 +222,7 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
                 output_dir=f"{output_dir}/{name}{r}", max_steps=steps, num_generations=num_generations,
                 per_device_train_batch_size=num_generations * prompts_per_step,
                 max_completion_length=max_completion_length, learning_rate=1e-5, logging_steps=1,
+                temperature=temperature,
                 report_to="none", bf16=False, save_strategy="no", seed=0, disable_tqdm=not progress,
                 spec_heads_path=heads_path, spec_capacity=capacity,
             )
@@ -242,7 +246,7 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
         "vanilla_reward_mean": statistics.mean(results["vanilla"]["reward"]),
         "spec_reward_mean": statistics.mean(results["spec"]["reward"]),
         "num_generations": num_generations, "prompts_per_step": prompts_per_step,
-        "max_completion_length": max_completion_length, "model": model_name, "task": task, "capacity": capacity,
+        "max_completion_length": max_completion_length, "model": model_name, "task": task, "capacity": capacity, "temperature": temperature,
     }]
 
 

@@ -246,7 +246,9 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
         "vanilla_reward_mean": statistics.mean(results["vanilla"]["reward"]),
         "spec_reward_mean": statistics.mean(results["spec"]["reward"]),
         "num_generations": num_generations, "prompts_per_step": prompts_per_step,
-        "max_completion_length": max_completion_length, "model": model_name, "task": task, "capacity": capacity, "temperature": temperature,
+        "max_completion_length": max_completion_length, "model": model_name, "task": task, "capacity": capacity,
+        "temperature": temperature, "vanilla_reward_per_step": results["vanilla"]["reward"],
+        "spec_reward_per_step": results["spec"]["reward"],
     }]
 
 

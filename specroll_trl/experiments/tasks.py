@@ -148,6 +148,18 @@ def _op(rng: _ProblemRng, a: int, op: str, b: int) -> tuple[str, int | None]:
     return f"{expr}=<<{expr}={value}>>{value}", value
 
 
+def _extra_step(rng: _ProblemRng, value: int, op: str, question: list, lines: list, ask, say) -> int | None:
+    """One more step ``value op operand`` (a fresh operand): ``ask(operand)`` joins the question and one of
+    ``say(step)`` the solution. Returns the new value, or None (nothing appended) when it is out of range."""
+    operand = rng.operand()
+    step, value = _op(rng, value, op, operand)
+    if value is None:
+        return None
+    question.append(ask(operand))
+    lines.append(rng.choice(say(step)))
+    return value
+
+
 def _inventory(rng):
     (name, he, _), (friend, _, _) = rng.sample(_PEOPLE, 2)
     item = rng.choice(_ITEMS)
@@ -387,14 +399,10 @@ def _savings(rng):
         ),
     ]
     if rng.random() < 0.4:
-        d = rng.operand()
-        step3, left = _op(rng, left, "+", d)
+        left = _extra_step(rng, left, "+", question, lines, lambda d: f"{_cap(his)} grandma gives {name} ${d}.",
+                           lambda s: [f"Now {he} has {s} dollars.", f"With the gift, {he} has {s} dollars."])
         if left is None:
             return None
-        question.append(f"{_cap(his)} grandma gives {name} ${d}.")
-        lines.append(
-            rng.choice([f"Now {he} has {step3} dollars.", f"With the gift, {he} has {step3} dollars."])
-        )
     question.append(f"How many dollars does {name} have now?")
     return question, lines, left
 
@@ -415,12 +423,11 @@ def _together(rng):
     question = [f"{name} has {a} {item}.", f"{friend} has {relation}."]
     lines = [rng.choice([f"{friend} has {step1} {item}.", f"So {friend} has {step1} {item}."])]
     if rng.random() < 0.4:
-        c = rng.operand()
-        step2, value = _op(rng, other, "-", c)
+        value = _extra_step(rng, other, "-", question, lines,
+                            lambda c: f"{third} has {c} fewer {item} than {friend}. How many {item} does {third} have?",
+                            lambda s: [f"{third} has {s} {item}.", f"So {third} has {s} {item}."])
         if value is None:
             return None
-        question.append(f"{third} has {c} fewer {item} than {friend}. How many {item} does {third} have?")
-        lines.append(rng.choice([f"{third} has {step2} {item}.", f"So {third} has {step2} {item}."]))
     else:
         step2, value = _op(rng, a, "+", other)
         if value is None:

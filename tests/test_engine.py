@@ -14,7 +14,7 @@ from specroll_trl.engine.compat import check_model_supported
 from specroll_trl.engine.generator import SpeculativeConfig, SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.engine.kvcache import RaggedCache
-from specroll_trl.engine.tree import PathTable, select_tree
+from specroll_trl.engine.tree import DraftTree, PathTable, select_tree
 from specroll_trl.experiments.zoo import task_prompt_ids
 
 from .conftest import cut_after_eos, left_padded, make_model
@@ -357,7 +357,7 @@ def test_node_budget_grows_as_rows_finish_and_respects_capacity():
 
 
 def test_capacity_below_the_batch_size_means_no_drafting_and_stays_exact():
-    """SPEC 2.2: N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max); C_hw < B_t is valid and just disables drafting."""
+    """N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max); C_hw < B_t is valid and just disables drafting."""
     model = make_model(vocab=40, scale=4.0, seed=3)
     heads = noisy_heads(model, std=0.3)
     prompts = [[5, 6, 7], [3, 4], [10, 11, 12, 13], [2]]
@@ -549,3 +549,42 @@ def test_all_batch_rows_lengths_and_limits():
         assert len(row) == 17 or row[-1] in (1, 5)
     assert {"tau", "forwards", "seconds", "accept_per_head", "nodes_per_row", "active_rows"} <= set(out.stats)
 
+
+
+# --------------------------------------------------------------------------- what a verified step emits
+
+
+def hand_tree():
+    """Two rows, one tree: root (node 0) -> a=5 (1) -> b=6 (2), and root -> c=7 (3)."""
+    tokens = torch.tensor([[9, 5, 6, 7]] * 2)
+    parent = torch.tensor([[-1, 0, 1, 0]] * 2)
+    depth = torch.tensor([[0, 1, 2, 1]] * 2)
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool).expand(2, -1, -1)
+    return DraftTree(tokens, depth, parent, anc, torch.zeros((2, 4, 3), dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "sampled,eos,room,accepted,tokens,count,finished",
+    [
+        # both accepted nodes, then the sample at node 2 (4): 3 tokens
+        ([[5, 6, 4, 0]], [1], [10], [[0, 1, 2]], [[5, 6, 4]], [3], [False]),
+        # the sample at the root matches no child: only that sample is emitted
+        ([[8, 6, 4, 0]], [1], [10], [[0, -1, -1]], [[8, 8, 8]], [1], [False]),
+        # the second sibling branch: root -> c, then its sample
+        ([[7, 0, 0, 3]], [1], [10], [[0, 3, -1]], [[7, 3, 3]], [2], [False]),
+        # an eos among the accepted tokens cuts the step there and finishes the row
+        ([[5, 6, 4, 0]], [6], [10], [[0, 1, 2]], [[5, 6, 4]], [2], [True]),
+        # the row has room for 2 more tokens: cut, finished
+        ([[5, 6, 4, 0]], [1], [2], [[0, 1, 2]], [[5, 6, 4]], [2], [True]),
+    ],
+)
+def test_emit_follows_the_samples_and_cuts_at_eos_and_room(sampled, eos, room, accepted, tokens, count, finished):
+    from specroll_trl.engine.verify import emit
+
+    tree = hand_tree()
+    step = emit(tree, torch.tensor(sampled * 2), torch.tensor(eos), torch.tensor(room * 2))
+    assert step.accepted.tolist() == accepted * 2
+    assert step.tokens[:, : count[0]].tolist() == [t[: count[0]] for t in tokens] * 2
+    assert step.count.tolist() == count * 2 and step.finished.tolist() == finished * 2
+    last = [a for a in accepted[0] if a >= 0][-1]
+    assert step.last.tolist() == [last] * 2 and step.next_root.tolist() == [sampled[0][last]] * 2

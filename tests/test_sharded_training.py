@@ -1,7 +1,7 @@
 """Sharded training on CPU for real: DeepSpeed ZeRO-2 / ZeRO-3 (with and without gathering for generation, with
 and without zero.Init) under a 2-process ``accelerate launch``, running tests/sharded_grpo_run.py on the nano
 policy; and the engine on an FSDP2 (``fully_shard``) model over gloo. Under sharded parameters the engine must keep
-both ranks issuing forwards until both are done (SPEC 2.7).
+both ranks issuing forwards until both are done.
 
 accelerate 1.15 enables FSDP only for GPU-like device types, so an FSDP ``accelerate launch`` on CPU runs unsharded
 processes; the FSDP2 test therefore shards with torch directly.

@@ -1,4 +1,4 @@
-"""The slow-path / Reflex ablation over a real GRPO run (``specroll-trl bench ablation``, SPEC 4).
+"""The slow-path / Reflex ablation over a real GRPO run (``specroll-trl bench ablation``).
 
 One GRPO run per variant, same config, seed and prompts, on a learning rate high enough for the policy to
 drift away from heads distilled before step 1:

@@ -225,8 +225,8 @@ class SpeculativeGenerator:
         heads.check_compatible(model)
         proposable = heads.config.draft_vocab_size or heads.config.vocab_size
         if self.config.topk_per_head > proposable:
-            raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the heads' vocab size "
-                             f"({proposable})")
+            what = "heads' draft vocabulary" if heads.config.draft_vocab_size else "model's vocab"
+            raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the {what} size ({proposable})")
         self.table = PathTable.build(heads.num_heads, self.config.topk_per_head)
         self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
                                    else FixedBudget(self.config.capacity, self.config.max_nodes))

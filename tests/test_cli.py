@@ -58,12 +58,15 @@ def test_bench_ablation_quick_writes_the_five_variants(nano, tmp_path):
 def test_bench_generation_quick_writes_spec_records(nano, tmp_path):
     out = tmp_path / "gen.json"
     assert main(["bench", "generation", "--model", "nano", "--batch-sizes", "1", "4", "--repeats", "1",
-                 "--max-new-tokens", "24", "--out", str(out)]) == 0
+                 "--max-new-tokens", "24", "--temperatures", "1.0", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
     assert {(r["batch_size"], r["mode"]) for r in records} == {
-        (1, "spec"), (1, "compaction_only"), (1, "assisted_prompt_lookup"), (4, "spec"), (4, "compaction_only")}
+        (1, "spec"), (1, "spec_fixed"), (1, "compaction_only"), (1, "assisted_prompt_lookup"), (4, "spec"),
+        (4, "spec_fixed"), (4, "compaction_only")}
     for r in records:
-        assert {"batch_size", "mode", "vanilla_s", "spec_s", "speedup", "tau", "accept_per_head",
-                "tokens_per_s"} <= set(r)
-        assert r["speedup"] > 0 and r["tokens_per_s"] > 0
+        assert {"batch_size", "mode", "vanilla_s", "spec_s", "speedup", "per_token_speedup", "tau",
+                "accept_per_head", "tokens_per_s", "temperature"} <= set(r)
+        assert r["speedup"] > 0 and r["tokens_per_s"] > 0 and r["temperature"] == 1.0
+    assert {r["capacity"] for r in records if r["mode"] == "spec_fixed"} == {64}  # the fixed formula's C_hw
+    assert all(r["capacity"] is None for r in records if r["mode"] == "spec")  # the online budget
     assert out.with_suffix(".png").is_file()

@@ -131,9 +131,11 @@ def test_registry_and_cache_paths(tmp_path, monkeypatch):
     assert zoo.DEFAULT_PRESET == "tiny"
     assert zoo.policy_dir(PRESET) == tmp_path / "zoo" / f"{PRESET}-v{pretrained.PRETRAINED_VERSION}"
     assert zoo.preset_task(PRESET) == "arithmetic" and zoo.PRETRAINED[PRESET].conversational
-    assert zoo.preset_task("tiny-gsm8k") == "gsm8k"
-    with pytest.raises(NotImplementedError, match="pretrained preset 'smollm2-135m'"):
-        zoo.build_heads(PRESET)
+    assert zoo.preset_task("tiny-gsm8k") == "gsm8k" and zoo.preset_task(str(tmp_path)) == "arithmetic"
+    rows = zoo.preset_dataset(PRESET, 3)
+    assert rows[0]["prompt"][0]["role"] == "user" and "answer" in rows.column_names  # conversational, as TRL takes
+    assert isinstance(zoo.preset_dataset("tiny", 3)[0]["prompt"], str)
+    assert zoo.preset_heads(str(tmp_path)) is None  # a model folder has no zoo heads
     assert not (tmp_path / "zoo").exists()  # nothing was built
 
 

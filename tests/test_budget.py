@@ -1,6 +1,7 @@
 """The node budget: the online controller drafts from the first step, learns what pays, and never changes what is
 emitted; the fixed formula stays available."""
 
+import pytest
 import torch
 from transformers import GenerationConfig
 
@@ -68,6 +69,7 @@ def test_emitted_tokens_do_not_depend_on_the_budget(nano):
     assert other.completion_ids != reference  # the seed, not the engine, decides the sample
 
 
+@pytest.mark.slow
 def test_online_budget_learns_inside_the_engine(nano):
     model, _, heads = nano
     _, ids, mask, gc = nano_sampling_inputs(nano, 8, seed=902, temperature=1.0, max_new_tokens=48)

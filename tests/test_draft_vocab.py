@@ -79,6 +79,7 @@ def test_engine_with_draft_vocabulary_is_exact(do_sample):
     assert out.stats["drafted_row_steps"] > 0
 
 
+@pytest.mark.slow
 def test_distillation_with_a_draft_vocabulary_reports_hits_against_the_target_mass():
     model = make_model(vocab=VOCAB, hidden=32, scale=3.0, seed=4, eos=1, pad=0)
     prompts = [[2 + i % 20, 3 + i % 17] for i in range(24)]

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import GenerationConfig
 
-from specroll_trl.adapt.distill import HeadDistillConfig, build_stream, draft_vocabulary, distill_heads
+from specroll_trl.adapt.distill import HeadDistillConfig, build_stream, distill_heads, draft_vocabulary
 from specroll_trl.engine.generator import SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.export import export_vllm
@@ -22,7 +22,7 @@ def draft_heads(model, ids, seed=0):
     heads = SpeculativeHeads.from_model(model, num_heads=3, draft_ids=ids)
     torch.manual_seed(seed)
     with torch.no_grad():
-        for name, p in heads.named_parameters():
+        for p in heads.parameters():
             p.normal_(0, 0.3)
     return heads
 

@@ -141,15 +141,17 @@ def plot_generation(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in dict.fromkeys(r["mode"] for r in records):
-        rows = [r for r in records if r["mode"] == mode]
-        ax.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=mode)
+    for mode, temperature in dict.fromkeys((r["mode"], r.get("temperature")) for r in records):
+        rows = [r for r in records if r["mode"] == mode and r.get("temperature") == temperature]
+        label = mode if temperature is None else f"{mode}, T={temperature}"
+        ax.plot([r["batch_size"] for r in rows], [r.get("per_token_speedup", r["speedup"]) for r in rows],
+                marker="o", ls="-" if temperature in (None, 0.7) else "--", label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (rows generating)")
-    ax.set_ylabel("generation speedup vs vanilla generate")
+    ax.set_ylabel("speedup per generated token vs generate")
     ax.set_title("Speculative rollouts vs TRL's generate (medians)")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from .bench import _timed
+from .plots import pyplot, save_figure
 from .zoo import DEFAULT_PRESET, preset_dataset, preset_heads, preset_task
 
 VARIANTS = {
@@ -139,11 +140,7 @@ def format_ablation(records: list[dict]) -> str:
 
 def plot_ablation(records: list[dict], path: str | Path) -> None:
     """Acceptance (tau) per round for every variant, and the reward curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_tau, ax_reward) = plt.subplots(1, 2, figsize=(11, 4))
     for r in records:
         rounds = range(1, len(r["tau_per_round"]) + 1)
@@ -151,14 +148,9 @@ def plot_ablation(records: list[dict], path: str | Path) -> None:
             ax_tau.plot(rounds, r["tau_per_round"], label=r["variant"], lw=1.2)
         ax_reward.plot(rounds, r["reward_per_step"], label=r["variant"], lw=1.0,
                        color="black" if r["variant"] == "vanilla" else None)
-    ax_tau.set_xlabel("GRPO step (one generation round)")
-    ax_tau.set_ylabel("tau (tokens per target forward per row)")
-    ax_tau.set_title("Acceptance as the policy drifts")
+    ax_tau.set(xlabel="GRPO step (one generation round)", ylabel="tau (tokens per target forward per row)",
+               title="Acceptance as the policy drifts")
     ax_tau.legend()
-    ax_reward.set_xlabel("GRPO step")
-    ax_reward.set_ylabel("mean reward")
-    ax_reward.set_title("Reward: speculative variants vs vanilla GRPO")
+    ax_reward.set(xlabel="GRPO step", ylabel="mean reward", title="Reward: speculative variants vs vanilla GRPO")
     ax_reward.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..engine import SpeculativeGenerator
+from .plots import pyplot, save_figure
 from .zoo import DEFAULT_PRESET, PRETRAINED, load_heads, load_policy, preset_task, task_prompt_ids
 
 
@@ -135,11 +136,7 @@ def write_results(records: list[dict], out: str | Path, plot: bool = True) -> No
 
 
 def plot_generation(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, temperature in dict.fromkeys((r["mode"], r.get("temperature")) for r in records):
         rows = [r for r in records if r["mode"] == mode and r.get("temperature") == temperature]
@@ -148,13 +145,10 @@ def plot_generation(records: list[dict], path: Path) -> None:
                 marker="o", ls="-" if temperature in (None, 0.7) else "--", label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (rows generating)")
-    ax.set_ylabel("speedup per generated token vs generate")
-    ax.set_title("Speculative rollouts vs TRL's generate (medians)")
+    ax.set(xlabel="batch size (rows generating)", ylabel="speedup per generated token vs generate",
+           title="Speculative rollouts vs TRL's generate (medians)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def format_table(records: list[dict]) -> str:

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 from .ablation import grpo_run
+from .plots import pyplot, save_figure
 
 RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOTrainer)
     "vanilla": ("GRPOTrainer", None),
@@ -147,11 +148,7 @@ def format_summary(summary: dict) -> str:
 
 
 def plot_demo(runs: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     colors = {"vanilla": "black", "spec_static": "tab:green", "spec": "tab:blue"}
     for name, records in runs.items():
@@ -169,6 +166,4 @@ def plot_demo(runs: dict[str, list[dict]], path: Path) -> None:
     axes[2].set(xlabel="GRPO step", ylabel="mean reward", title="Reward: same distribution, same learning")
     for ax in axes:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

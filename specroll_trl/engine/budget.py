@@ -58,7 +58,7 @@ class OnlineBudget(NodeBudget):
         max_nodes: ``N_max``.
         prior_capacity: query tokens per forward the prior assumes cost like one (sets the first steps' budget).
         prior_draft_cost: the prior's cost of drafting, as a share of a plain step.
-        prior_accept: the prior's acceptance of a depth-``d`` chain node, ``prior_accept ** d``.
+        prior_accept: the prior's acceptance of the tree's ``j``-th best node is ``prior_accept ** log2(j + 1)``.
         forget: weight kept by older measurements at each new one (exponential forgetting).
         explore: probability of trying a neighbouring width instead of the best one.
         seed: seeds the exploration draws (a generator of its own: the sampling stream is untouched).

@@ -12,8 +12,9 @@ Nothing is downloaded at run time. The script
 3. rebuilds ``trl-internal-testing/zen`` by running TRL's ``scripts/generate_zen_dataset.py`` with
    ``push_to_hub`` redirected to local parquet folders;
 4. writes ``conftest.py`` at the checkout root: maps the dataset ids to those folders, and with
-   ``SPECROLL_SUBSTITUTE=1`` swaps ``trl.GRPOTrainer`` (every alias) for ``SpecGRPOTrainer`` with zero-initialised
-   heads (``spec_init_heads="zeros"``) so no distillation runs;
+   ``SPECROLL_SUBSTITUTE=1`` swaps ``trl.GRPOTrainer`` (every alias) for ``SpecGRPOTrainer`` with its own
+   defaults, as a user who swaps the class gets it (heads self-distilled before step 1, through the heads cache of
+   a ``SPECROLL_HOME`` that starts empty for every run);
 5. runs pytest on the test file twice (base, substituted) and prints the counts and the discrepancies.
 
 Vision models, vLLM, liger, bitsandbytes and accelerator-only tests are not recreated: they skip or fail alike in
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -164,12 +166,7 @@ def checkout(trl_git: str, ref: str | None, peer: Path) -> str:
         return subprocess.run(["git", "--git-dir", trl_git, *args], check=True, capture_output=True,
                               text=True).stdout.strip()
 
-    if ref is None:
-        tags = git("tag", "--list", "v1.16.0").split()
-        branches = git("for-each-ref", "--format=%(refname:short)", "refs/heads/v1.16-release").split()
-        ref = (tags or branches or ["HEAD"])[0]
-        if ref == "HEAD":
-            log("WARNING: no v1.16.0 tag / v1.16-release branch in the TRL git dir; using its HEAD")
+    ref = ref or "HEAD"  # the newest test snapshot the local git dir holds
     sha = git("rev-parse", f"{ref}^{{commit}}")
     version = git("show", f"{sha}:VERSION") if "VERSION" in git("ls-tree", "--name-only", sha).split() else "?"
     marker = peer / ".trl_commit"
@@ -402,7 +399,6 @@ if SUBSTITUTE:
     import trl.trainer.grpo_trainer
     import specroll_trl.trainer as _spec
 
-    _spec.SPEC_DEFAULTS["spec_init_heads"] = os.environ.get("SPECROLL_INIT_HEADS", "zeros")
     for _module in (trl, trl.trainer, trl.trainer.grpo_trainer):
         setattr(_module, "GRPOTrainer", _spec.SpecGRPOTrainer)
 
@@ -465,6 +461,9 @@ def run_pytest(label: str, peer: Path, hub: Path, substitute: bool, k: str | Non
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
+    home = hub / f"specroll_home_{label}"  # an empty heads cache: the run pays every first distillation
+    shutil.rmtree(home, ignore_errors=True)
+    env["SPECROLL_HOME"] = str(home)
     report = hub / f"report_{label}.jsonl"
     cmd = [sys.executable, "-m", "pytest", TEST_FILE, "-p", "no:cacheprovider", "-q", "-rfE", "--tb=line",
            f"--rootdir={peer}", "-o", "console_output_style=classic", "-W", "ignore::DeprecationWarning",
@@ -552,7 +551,7 @@ def compare(base: dict, spec: dict) -> list[tuple[str, str, str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-git", default=os.environ.get("TRL_GIT", DEFAULT_TRL_GIT))
-    parser.add_argument("--ref", default=None, help="TRL git ref (default: v1.16.0 tag, v1.16-release, else HEAD)")
+    parser.add_argument("--ref", default=None, help="TRL git ref (default: HEAD, the newest snapshot)")
     parser.add_argument("--peer", type=Path, default=Path("/tmp/trl_peer"))
     parser.add_argument("--hub", type=Path, default=Path("/tmp/trl_hub"))
     parser.add_argument("--only", choices=("base", "spec", "both", "setup"), default="both")

@@ -21,14 +21,18 @@ def _demo(args) -> int:
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     print(f"      {info.get('parameters', sum(p.numel() for p in model.parameters())) / 1e6:.2f}M parameters, "
           f"built in {info.get('build_seconds', float('nan'))} s", flush=True)
+    if args.model in zoo.PRETRAINED and args.eval_prompts is not None:
+        print("specroll-trl demo: error: --eval-prompts applies to the toy policies (tiny, nano) only", file=sys.stderr)
+        return 2
     task = args.task or zoo.preset_task(args.model)
     run = {k: v if getattr(args, k, None) is None else getattr(args, k) for k, v in demo_defaults(args.model).items()}
     if args.model in zoo.PRETRAINED:
         print(f"[2/4] pretrained chat policy: GRPO on the '{task}' task in chat form, rewards correctness + format "
               f"(its GSM8K score is about 1-2%: the format reward carries the signal)", flush=True)
     else:
-        print(f"[2/4] held-out evaluation on {args.eval_prompts} '{task}' prompts at temperature 1", flush=True)
-        examples = zoo.task_examples(task, args.eval_prompts, seed=0, split="test")
+        eval_prompts = args.eval_prompts or 256
+        print(f"[2/4] held-out evaluation on {eval_prompts} '{task}' prompts at temperature 1", flush=True)
+        examples = zoo.task_examples(task, eval_prompts, seed=0, split="test")
         metrics = zoo.evaluate_policy(model, tokenizer, examples, temperature=1.0)
         print(f"      loss {metrics['heldout_loss']:.3f} nats/token, entropy {metrics['entropy']:.3f} nats/token, "
               f"correct {100 * metrics['accuracy']:.1f}% of {metrics['num_prompts']} prompts", flush=True)
@@ -72,49 +76,51 @@ def _train_heads(args) -> int:
     return 0
 
 
+# Per benchmark: the full run's and the quick run's settings; a flag given on the command line overrides both.
+BENCH_RUNS = {
+    "generation": (dict(batch_sizes=[1, 8, 32, 64], repeats=3, max_new_tokens=256, temperatures=[0.7, 1.0]),
+                   dict(batch_sizes=[1, 8], repeats=1, max_new_tokens=64, temperatures=[0.7])),
+    "e2e": (dict(steps=4, repeats=2, max_new_tokens=256, prompts_per_step=4),
+            dict(steps=2, repeats=1, max_new_tokens=128, prompts_per_step=2)),
+    "ablation": (dict(steps=30, max_new_tokens=192, prompts_per_step=1),
+                 dict(steps=6, max_new_tokens=96, prompts_per_step=1)),
+    "reflex": (dict(steps=8, repeats=3, max_new_tokens=192), dict(steps=4, repeats=1, max_new_tokens=128)),
+}
+
+
+def _bench_settings(args) -> dict:
+    """The run's settings: each flag as given, else the quick or the full run's default."""
+    full, quick = BENCH_RUNS[args.what]
+    return {k: v if getattr(args, k) is None else getattr(args, k) for k, v in (quick if args.quick else full).items()}
+
+
 def _bench(args) -> int:
     from .experiments.bench import bench_e2e, bench_generation, bench_reflex, format_table, write_results
 
+    run = _bench_settings(args)
     if args.what == "ablation":
         from .experiments.ablation import bench_ablation, format_ablation, plot_ablation
 
-        if args.quick:
-            records = bench_ablation(args.model, steps=6, max_completion_length=96, capacity=args.capacity,
-                                     learning_rate=args.lr)
-        else:
-            records = bench_ablation(args.model, steps=args.steps or 30,
-                                     max_completion_length=args.max_new_tokens or 192,
-                                     prompts_per_step=args.prompts_per_step or 1, capacity=args.capacity,
-                                     learning_rate=args.lr)
+        records = bench_ablation(args.model, steps=run["steps"], max_completion_length=run["max_new_tokens"],
+                                 prompts_per_step=run["prompts_per_step"], capacity=args.capacity,
+                                 learning_rate=args.lr)
         print(format_ablation(records))
         if args.out:
             write_results(records, args.out, plot=False)
             plot_ablation(records, Path(args.out).with_suffix(".png"))
             print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
         return 0
-
     if args.what == "reflex":
-        variants = args.variants  # preset names (None: the default pair)
-        if args.quick:
-            records = bench_reflex(args.model, grpo_steps=4, repeats=1, max_new_tokens=128, capacity=args.capacity,
-                                   group=args.group, variants=variants)
-        else:
-            records = bench_reflex(args.model, grpo_steps=args.steps or 8, repeats=args.repeats,
-                                   max_new_tokens=args.max_new_tokens or 192, capacity=args.capacity,
-                                   group=args.group, variants=variants)
+        records = bench_reflex(args.model, grpo_steps=run["steps"], repeats=run["repeats"],
+                               max_new_tokens=run["max_new_tokens"], max_nodes=args.max_nodes, capacity=args.capacity,
+                               group=args.group, variants=args.variants)
         if args.out:
             write_results(records, args.out, plot=False)
         return 0
-
     if args.what == "e2e":
-        if args.quick:
-            records = bench_e2e(args.model, steps=2, repeats=1, prompts_per_step=2, max_completion_length=128,
-                                capacity=args.capacity, temperature=args.temperature)
-        else:
-            records = bench_e2e(args.model, steps=args.steps or 4, repeats=args.repeats,
-                                max_completion_length=args.max_new_tokens or 256,
-                                prompts_per_step=args.prompts_per_step or 4, capacity=args.capacity,
-                                temperature=args.temperature)
+        records = bench_e2e(args.model, steps=run["steps"], repeats=run["repeats"],
+                            max_completion_length=run["max_new_tokens"], prompts_per_step=run["prompts_per_step"],
+                            capacity=args.capacity, temperature=args.temperature)
         for key, value in records[0].items():
             print(f"{key:>24}: {value}")
         if args.out:
@@ -122,15 +128,10 @@ def _bench(args) -> int:
         return 0
     import torch
 
-    common = dict(max_nodes=args.max_nodes, capacity=args.capacity or 64, dtype=getattr(torch, args.dtype),
-                  device=args.device)
-    if args.quick:
-        records = bench_generation(args.model, batch_sizes=(1, 8), repeats=1, max_new_tokens=64,
-                                   temperatures=(0.7,), **common)
-    else:
-        records = bench_generation(args.model, batch_sizes=tuple(args.batch_sizes), repeats=args.repeats,
-                                   max_new_tokens=args.max_new_tokens or 256, temperatures=tuple(args.temperatures),
-                                   **common)
+    records = bench_generation(args.model, batch_sizes=tuple(run["batch_sizes"]), repeats=run["repeats"],
+                               max_new_tokens=run["max_new_tokens"], temperatures=tuple(run["temperatures"]),
+                               max_nodes=args.max_nodes, capacity=args.capacity, dtype=getattr(torch, args.dtype),
+                               device=args.device)
     print(format_table(records))
     if args.out:
         write_results(records, args.out)
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--heads", default=None, help="heads folder (default: the zoo preset's distilled heads)")
     demo.add_argument("--task", default=None, choices=["arithmetic", "gsm8k"],
                       help="GRPO prompts (default: the preset's task)")
-    demo.add_argument("--eval-prompts", type=int, default=256)
+    demo.add_argument("--eval-prompts", type=int, default=None, help="toy policies: held-out prompts (256)")
     demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (smollm2: 3, toys: 8)")
     demo.add_argument("--repeats", type=int, default=None, help="runs of each trainer, alternating (1 / 2)")
     demo.add_argument("--trainers", nargs="+", default=None, choices=["vanilla", "spec_static", "spec"],
@@ -195,38 +196,55 @@ def build_parser() -> argparse.ArgumentParser:
     heads.set_defaults(func=_train_heads)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON records, see README)")
-    bench.add_argument("what", choices=["generation", "e2e", "ablation", "reflex"],
-                       help="ablation: static / reflex / slow / both / every_round (and vanilla) over one GRPO run "
-                       "each; reflex: Reflex presets vs static heads on stale targets, generation only")
-    bench.add_argument("--model", default="tiny")
-    bench.add_argument("--quick", action="store_true", help="reduced run (at most ~3 minutes on 2 cores)")
-    bench.add_argument("--out", default=None, help="JSON file (a PNG is written beside it)")
-    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--max-new-tokens", type=int, default=None,
-                       help="completion length (generation) / max_completion_length (e2e, default 256 there)")
-    bench.add_argument("--steps", type=int, default=None,
-                       help="GRPO steps per run (e2e: 4, ablation: 30) / GRPO steps that make the heads stale "
-                       "(reflex: 8)")
-    bench.add_argument("--prompts-per-step", type=int, default=None,
-                       help="prompts per GRPO step, x 8 completions = rows generating together (e2e: 4, ablation: 1)")
-    bench.add_argument("--lr", type=float, default=1e-4, help="ablation: GRPO learning rate (drives the drift)")
-    bench.add_argument("--max-nodes", type=int, default=16)
-    bench.add_argument("--group", type=int, default=1,
-                       help="reflex: completions per prompt in the batch (GRPO's num_generations)")
-    bench.add_argument("--variants", nargs="+", default=None,
-                       help="reflex: Reflex presets to compare with static heads (lookup, lookup-group, baseline, "
-                            "baseline+lookup: specroll_trl.adapt.reflex.REFLEX_PRESETS; default: baseline lookup)")
-    bench.add_argument("--capacity", type=int, default=None,
-                       help="C_hw for the fixed node-budget formula (generation: the spec_fixed mode, default 64; "
-                       "e2e / ablation / reflex: instead of the online budget, which is used when omitted)")
-    bench.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0], help="generation: temperatures")
-    bench.add_argument("--temperature", type=float, default=None,
-                       help="e2e: sampling temperature (default: 0.7 for a pretrained policy, 1.0 for a toy)")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="generation: model dtype")
-    bench.add_argument("--device", default="cpu", help="generation: device (cpu, cuda)")
-    bench.set_defaults(func=_bench)
+    kinds = bench.add_subparsers(dest="what", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default="tiny", help="zoo preset (smollm2-135m, tiny, nano) or HF folder")
+    common.add_argument("--quick", action="store_true",
+                        help="reduced run (at most ~3 minutes on 2 cores); flags given still apply")
+    common.add_argument("--out", default=None, help="JSON file (a PNG is written beside it)")
+
+    def kind(name: str, help: str):
+        parser = kinds.add_parser(name, parents=[common], help=help)
+        parser.set_defaults(func=_bench)
+        full, quick = BENCH_RUNS[name]
+        return parser, lambda key: f"(full run: {full[key]}, --quick: {quick[key]})"
+
+    gen, says = kind("generation", "SpeculativeGenerator (online and fixed budget, no draft) vs model.generate")
+    gen.add_argument("--batch-sizes", type=int, nargs="+", default=None, help=says("batch_sizes"))
+    gen.add_argument("--repeats", type=int, default=None, help=f"alternating runs per cell {says('repeats')}")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
+    gen.add_argument("--temperatures", type=float, nargs="+", default=None, help=says("temperatures"))
+    gen.add_argument("--max-nodes", type=int, default=16, help="N_max, draft nodes per row per step")
+    gen.add_argument("--capacity", type=int, default=64, help="C_hw of the spec_fixed mode's node-budget formula")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    gen.add_argument("--device", default="cpu", help="device (cpu, cuda)")
+
+    e2e, says = kind("e2e", "TRL GRPOTrainer vs SpecGRPOTrainer, same seed, 8 completions per prompt")
+    e2e.add_argument("--steps", type=int, default=None, help=f"GRPO steps per run {says('steps')}")
+    e2e.add_argument("--repeats", type=int, default=None, help=f"alternating runs per trainer {says('repeats')}")
+    e2e.add_argument("--max-new-tokens", type=int, default=None, help=f"max_completion_length {says('max_new_tokens')}")
+    e2e.add_argument("--prompts-per-step", type=int, default=None, help=f"x 8 completions {says('prompts_per_step')}")
+    e2e.add_argument("--capacity", type=int, default=None, help="C_hw of a fixed node budget (default: online)")
+    e2e.add_argument("--temperature", type=float, default=None,
+                     help="sampling temperature (default: 0.7 for a pretrained policy, 1.0 for a toy)")
+
+    abl, says = kind("ablation", "vanilla / static / reflex / slow / both / every_round over one GRPO run each")
+    abl.add_argument("--steps", type=int, default=None, help=f"GRPO steps per run {says('steps')}")
+    abl.add_argument("--max-new-tokens", type=int, default=None, help=f"max_completion_length {says('max_new_tokens')}")
+    abl.add_argument("--prompts-per-step", type=int, default=None, help=f"x 8 completions {says('prompts_per_step')}")
+    abl.add_argument("--capacity", type=int, default=None, help="C_hw of a fixed node budget (default: online)")
+    abl.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate (drives the drift)")
+
+    ref, says = kind("reflex", "Reflex presets vs static heads on stale targets, generation only")
+    ref.add_argument("--steps", type=int, default=None, help=f"GRPO steps that make the heads stale {says('steps')}")
+    ref.add_argument("--repeats", type=int, default=None, help=says("repeats"))
+    ref.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
+    ref.add_argument("--max-nodes", type=int, default=16, help="N_max, draft nodes per row per step")
+    ref.add_argument("--capacity", type=int, default=None, help="C_hw of a fixed node budget (default: online)")
+    ref.add_argument("--group", type=int, default=1, help="completions per prompt in the batch (num_generations)")
+    ref.add_argument("--variants", nargs="+", default=None,
+                     help="Reflex presets to compare with static heads (specroll_trl.adapt.reflex.REFLEX_PRESETS; "
+                          "default: baseline lookup)")
 
     export = sub.add_parser("export-vllm", help="write heads as a vLLM Medusa speculator (config.json + safetensors)")
     export.add_argument("--heads", required=True, help="heads folder (e.g. a checkpoint's spec_heads/)")

@@ -9,6 +9,7 @@ PEFT and sharding never see them; they are saved with every checkpoint and the f
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 TESTED_TRL = "1.16"
 HEADS_SUBDIR = "spec_heads"
 CONSOLIDATION_STATE = "consolidation_state.json"
+DISTILL_DRAFT_VOCAB = 4096  # heads distilled by the trainer draft over the policy's 4,096 most frequent tokens
 _HF_GENERATE = GenerationMixin.generate  # captured at import, before any test can patch it
 
 if not trl.__version__.startswith(TESTED_TRL + "."):
@@ -72,6 +74,12 @@ class SpecGRPOConfig(GRPOConfig):
             Policy samples for the initial distillation.
         spec_distill_steps (`int`, *optional*, defaults to `300`):
             Optimiser steps of the initial distillation.
+        spec_distill_max_seconds (`float` or `None`, *optional*, defaults to `120.0`):
+            Wall-time bound of the initial distillation: half for sampling (no new batch after it), half for
+            training. `None`: no bound (samples and steps only). A distillation cut short is not cached.
+        spec_distill_cache (`bool`, *optional*, defaults to `True`):
+            Cache distilled heads under `$SPECROLL_HOME/heads/`, keyed by the policy's weights, the distillation
+            prompts and settings: a second run on the same policy and data loads them instead of distilling.
 
     > Engine (fields of `SpeculativeConfig`)
 
@@ -107,6 +115,9 @@ class SpecGRPOConfig(GRPOConfig):
     spec_num_heads: int = field(default=4, metadata={"help": "Heads to build when none are loaded."})
     spec_distill_samples: int = field(default=256, metadata={"help": "Policy samples for the initial distillation."})
     spec_distill_steps: int = field(default=300, metadata={"help": "Optimiser steps of the initial distillation."})
+    spec_distill_max_seconds: float | None = field(
+        default=120.0, metadata={"help": "Wall-time bound of the initial distillation; None: no bound."})
+    spec_distill_cache: bool = field(default=True, metadata={"help": "Reuse heads distilled for the same policy."})
     spec_topk_per_head: int = field(default=4, metadata={"help": "Candidates each head adds at its tree depth."})
     spec_max_nodes: int = field(default=16, metadata={"help": "N_max: draft nodes per row per step."})
     spec_capacity: int | None = field(default=None, metadata={"help": "C_hw of the fixed budget; None: online."})
@@ -144,6 +155,8 @@ class SpecSettings:
     num_heads: int
     distill_samples: int
     distill_steps: int
+    distill_max_seconds: float | None
+    distill_cache: bool
     engine: SpeculativeConfig
     reflex: str | None
     reflex_kwargs: dict
@@ -158,6 +171,9 @@ class SpecSettings:
             value = spec[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise (ValueError if type(value) is int else TypeError)(f"{name} must be an int >= 1, got {value!r}")
+        seconds = spec["spec_distill_max_seconds"]
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+            raise ValueError(f"spec_distill_max_seconds must be a number > 0 or None, got {seconds!r}")
         reflex, reflex_kwargs = spec["spec_reflex"], dict(spec["spec_reflex_kwargs"] or {})
         if reflex is not None:
             if not isinstance(reflex, str):
@@ -178,8 +194,8 @@ class SpecSettings:
         except (TypeError, ValueError) as err:  # the engine's messages start with its field name: name the user's
             raise type(err)(f"spec_{err}") from err
         return cls(spec["spec_enabled"], spec["spec_heads_path"], spec["spec_init_heads"], spec["spec_num_heads"],
-                   spec["spec_distill_samples"], spec["spec_distill_steps"], engine, reflex, reflex_kwargs,
-                   consolidation)
+                   spec["spec_distill_samples"], spec["spec_distill_steps"], spec["spec_distill_max_seconds"],
+                   bool(spec["spec_distill_cache"]), engine, reflex, reflex_kwargs, consolidation)
 
     def reflex_hooks(self) -> list[StepHook]:
         return reflex_hooks(self.reflex, **self.reflex_kwargs) if self.reflex else []
@@ -200,6 +216,7 @@ class SpecGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.spec = SpecSettings.from_args(self.args)
         self.spec_heads = heads
+        self.spec_distill_report: dict | None = None  # what the initial distillation measured (when it ran)
         self._spec_engine: SpeculativeGenerator | None = None
         self._spec_reflex = self.spec.reflex_hooks()
         self.spec_consolidation: ConsolidationCallback | None = None
@@ -233,43 +250,60 @@ class SpecGRPOTrainer(GRPOTrainer):
             heads = SpeculativeHeads.from_pretrained(path)
             heads.check_compatible(policy)
             return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-        heads = SpeculativeHeads.from_model(policy, num_heads=self.spec.num_heads)
         if self.spec.init_heads == "zeros":
             warnings.warn("SpecGRPOTrainer: no spec_heads_path given; starting from zero-initialised heads "
                           "(low acceptance until they are trained)", stacklevel=3)
-            return heads
-        warnings.warn("SpecGRPOTrainer: no spec_heads_path given; self-distilling heads on the training prompts "
-                      "before the first step", stacklevel=3)
-        return self._distill_initial_heads(heads)
+            return SpeculativeHeads.from_model(policy, num_heads=self.spec.num_heads)
+        warnings.warn("SpecGRPOTrainer: no spec_heads_path given; self-distilling heads on the first training "
+                      "prompts before the first step (cached for the next run: spec_distill_cache)", stacklevel=3)
+        heads = self._distill_initial_heads()
+        return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
 
-    def _distill_initial_heads(self, heads: SpeculativeHeads) -> SpeculativeHeads:
-        from .adapt.distill import HeadDistillConfig, distill_heads
+    def _distill_prompts(self) -> list[list[int]]:
+        """Token ids of the first ``spec_distill_samples`` distinct prompts in the order the trainer's first batches
+        take them (its own sampler, or the shuffled stream of an ``IterableDataset``; the same on every rank),
+        rendered by TRL's own prompt tokenisation."""
+        dataset = self.train_dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+            if self.shuffle_dataset and hasattr(dataset, "shuffle"):
+                dataset = dataset.shuffle(seed=self.args.seed)
+            rows = iter(dataset)
+        else:
+            rows = (dataset[i] for i in dict.fromkeys(self._get_train_sampler(dataset)))
+        prompts = [row["prompt"] for row in itertools.islice(rows, self.spec.distill_samples)]
+        if not prompts:
+            raise ValueError("SpecGRPOTrainer cannot distil heads: the training dataset yielded no prompt; pass "
+                             "spec_heads_path or spec_init_heads='zeros'")
+        return [list(ids) for ids in self._tokenize_prompts(prompts)[0]]
 
-        prompts = []
-        tokenizer = self.processing_class
-        count = min(len(self.train_dataset), self.spec.distill_samples)
-        for row in self.train_dataset.select(range(count)):
-            prompt = row["prompt"]
-            if isinstance(prompt, list):
-                prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            prompts.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    def _distill_initial_heads(self) -> SpeculativeHeads:
+        from .adapt.distill import HeadDistillConfig
+        from .adapt.distill_cache import cached_distill_heads, default_cache_dir
+
+        prompts = self._distill_prompts()
+        seconds = self.spec.distill_max_seconds
         config = HeadDistillConfig(
-            num_heads=heads.num_heads, num_samples=len(prompts), steps=self.spec.distill_steps,
+            num_heads=self.spec.num_heads, num_samples=len(prompts), steps=self.spec.distill_steps,
             temperature=self.args.temperature, max_new_tokens=self.args.max_completion_length,
-            seed=self.args.seed,
+            seed=self.args.seed, batch_size=512, target_topk=16, draft_vocab_size=DISTILL_DRAFT_VOCAB,
+            sampling_max_seconds=None if seconds is None else seconds / 2,
+            max_seconds=None if seconds is None else seconds / 2,
         )
         policy = self._policy_for_heads()
         was_training = policy.training
         requires_grad = {n: p.requires_grad for n, p in policy.named_parameters()}
         policy.eval()
         try:
-            heads, report = distill_heads(policy, prompts, tokenizer.pad_token_id, config, heads=heads,
-                                          progress=not self.args.disable_tqdm)
+            heads, report = cached_distill_heads(policy, prompts, self._tokenizer.pad_token_id, config,
+                                                 default_cache_dir() if self.spec.distill_cache else None,
+                                                 progress=not self.args.disable_tqdm)
         finally:
             for n, p in policy.named_parameters():
                 p.requires_grad_(requires_grad[n])
             policy.train(was_training)
-        logger.info("initial heads distilled: %s", report["hit_rates"])
+        logger.info("initial heads (%s prompts, cache %s): hit rates %s", len(prompts), report["cache"],
+                    report["hit_rates"])
+        self.spec_distill_report = report
         return heads
 
     def _engine(self, model) -> SpeculativeGenerator:

@@ -70,3 +70,99 @@ def test_bench_generation_quick_writes_spec_records(nano, tmp_path):
     assert {r["capacity"] for r in records if r["mode"] == "spec_fixed"} == {64}  # the fixed formula's C_hw
     assert all(r["capacity"] is None for r in records if r["mode"] == "spec")  # the online budget
     assert out.with_suffix(".png").is_file()
+
+
+# --------------------------------------------------------------------------- every flag is honoured or refused
+
+SINKS = {  # where the handlers hand their settings: replaced by recorders, so no flag can be dropped unseen
+    "specroll_trl.experiments.bench": ["bench_generation", "bench_e2e", "bench_reflex", "write_results",
+                                       "format_table"],
+    "specroll_trl.experiments.ablation": ["bench_ablation", "format_ablation", "plot_ablation"],
+    "specroll_trl.experiments.demo": ["run_demo", "format_summary"],
+    "specroll_trl.experiments.zoo": ["load_policy", "resolve_policy", "build_heads", "task_examples",
+                                     "evaluate_policy", "task_prompt_ids"],
+    "specroll_trl.adapt.distill": ["distill_heads", "format_hit_table"],
+    "specroll_trl.export": ["export_vllm"],
+}
+
+
+def commands():
+    """``(argv prefix, sub-parser)`` of every runnable command, nested ones (``bench generation``) included."""
+    import argparse
+
+    from specroll_trl.cli import build_parser
+
+    def walk(parser, prefix):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield prefix, parser
+        for action in subs:
+            for name, child in action.choices.items():
+                yield from walk(child, [*prefix, name])
+
+    return list(walk(build_parser(), []))
+
+
+def other_values(action, tmp_path):
+    """Candidate argv words giving ``action`` a value other than its default (the default may resolve to the same
+    value as one of them, so the flag counts as honoured when any candidate changes what runs)."""
+    if action.nargs == 0:
+        return [[action.option_strings[0]]]
+    if action.choices:
+        values = [c for c in action.choices if c != action.default]
+    elif action.type is int:
+        values = [3, 5]
+    elif action.type is float:
+        values = [0.55, 0.85]
+    elif action.dest in ("out", "heads", "adapter"):
+        values = [tmp_path / f"flag_{action.dest}"]
+    else:
+        values = ["nano"] if action.dest == "model" else ["lookup"]
+    many = action.nargs in ("+", "*")
+    return [[action.option_strings[0], *map(str, [v, v] if many else [v])] for v in values]
+
+
+@pytest.mark.parametrize("command", [" ".join(prefix) for prefix, _ in commands()])
+def test_every_cli_flag_is_honoured_or_refused(command, tmp_path, monkeypatch):
+    import importlib
+    from unittest import mock
+
+    calls, stub = [], mock.MagicMock()  # one stub: its repr is the same in every run
+    policy = tmp_path / "policy"
+    (policy / "heads").mkdir(parents=True)
+    (policy / "heads" / "distill_report.json").write_text('{"hit_rates": [{"1": 0.5}]}')
+    (policy / "heads" / "config.json").write_text('{"num_heads": 2}')
+    returns = {"resolve_policy": policy, "build_heads": policy / "heads", "export_vllm": policy / "heads",
+               "evaluate_policy": {"heldout_loss": 1.0, "entropy": 1.0, "accuracy": 0.5, "num_prompts": 4},
+               "distill_heads": (stub, {"hit_rates": [{1: 0.5}]}), "load_policy": (stub, stub),
+               "bench_e2e": [{"speedup": 1.0}]}
+    for module, names in SINKS.items():
+        for name in names:
+            def record(*args, _name=name, **kwargs):
+                calls.append((_name, repr(args), repr(sorted(kwargs.items()))))
+                return returns.get(_name, stub)
+            monkeypatch.setattr(importlib.import_module(module), name, record)
+
+    prefix, parser = next((p, s) for p, s in commands() if " ".join(p) == command)
+    required = []
+    for action in parser._actions:
+        if action.required and action.option_strings:
+            required += [action.option_strings[0], str(tmp_path / f"required_{action.dest}")]
+    (tmp_path / "required_out").mkdir()
+
+    def run(extra):
+        calls.clear()
+        try:
+            code = main([*prefix, *required, *extra])
+        except SystemExit as exit_:
+            code = exit_.code
+        return code, list(calls)
+
+    code, baseline = run([])
+    assert code == 0 and baseline, f"`{command}` with its defaults did not run: {code}"
+    optional = [a for a in parser._actions if a.option_strings and not a.required and a.dest != "help"]
+    assert optional
+    for action in optional:
+        tried = [run(extra) for extra in other_values(action, tmp_path)]
+        assert any(flagged != baseline or code not in (0, None) for code, flagged in tried), \
+            f"`{command} {action.option_strings[0]}` was silently ignored"

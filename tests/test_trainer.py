@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads
+from specroll_trl.adapt import distill_cache
 from specroll_trl.experiments import zoo
 from specroll_trl.experiments.rewards import REWARD_FUNCS
 from specroll_trl.experiments.tasks import make_arithmetic_task
@@ -406,3 +407,57 @@ def test_tool_calling_loop_goes_through_the_engine_again(nano, tmp_path, monkeyp
     assert all("12" in text for text in seen[1])  # ... with the tool's result in the new prompt
     row = next(r for r in trainer.state.log_history if "loss" in r)
     assert math.isfinite(row["loss"]) and row["spec/tau"] >= 1.0
+
+
+# --------------------------------------------------------------------------- initial distillation: data, bounds, cache
+
+
+def distill_args(tmp_path, **overrides):
+    return small_args(tmp_path, **{"spec_heads_path": None, "spec_distill_samples": 6, "spec_distill_steps": 5,
+                                   "max_completion_length": 16, **overrides})
+
+
+def test_iterable_dataset_distils_from_its_stream_and_the_second_run_reuses_the_heads(nano, tmp_path, dataset,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(distill_cache, "default_cache_dir", lambda: tmp_path / "home" / "heads")
+    stream = dataset.to_iterable_dataset()
+    first = new_trainer(distill_args(tmp_path, max_steps=1), stream)
+    assert first.spec_distill_report["cache"] == "miss" and first.spec_distill_report["samples"] == 6
+    first.train()
+    assert any("spec/tau" in r for r in first.state.log_history)
+    second = new_trainer(distill_args(tmp_path / "2", max_steps=1), dataset.to_iterable_dataset())
+    assert second.spec_distill_report["cache"] == "hit"
+    state = second.spec_heads.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in first.spec_heads.state_dict().items())
+    assert len(list((tmp_path / "home" / "heads").iterdir())) == 1
+    other = new_trainer(distill_args(tmp_path / "3", max_steps=1, temperature=0.7), dataset)  # other settings
+    assert other.spec_distill_report["cache"] == "miss"
+
+
+def test_distillation_prompts_are_the_first_ones_the_trainer_generates_for(nano, tmp_path, dataset, monkeypatch):
+    monkeypatch.setattr(distill_cache, "default_cache_dir", lambda: tmp_path / "home" / "heads")
+    trainer = new_trainer(distill_args(tmp_path, spec_distill_cache=False, max_steps=1), dataset)
+    assert trainer.spec_distill_report["cache"] == "off"
+    seen = []
+    original = trainer._generate_single_turn
+
+    def record(prompt_ids, *args, **kwargs):
+        seen.extend(list(p) for p in prompt_ids)
+        return original(prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_generate_single_turn", record)
+    trainer.train()
+    first = list(dict.fromkeys(map(tuple, seen)))
+    distilled = [tuple(p) for p in trainer._distill_prompts()]
+    assert len(first) >= 2 and distilled[: len(first)] == first
+    assert not (tmp_path / "home" / "heads").exists()
+
+
+def test_distillation_time_bound_is_kept_and_a_cut_short_run_is_not_cached(nano, tmp_path, dataset, monkeypatch):
+    monkeypatch.setattr(distill_cache, "default_cache_dir", lambda: tmp_path / "home" / "heads")
+    trainer = new_trainer(distill_args(tmp_path, spec_distill_samples=32, spec_distill_steps=10_000,
+                                       spec_distill_max_seconds=0.5), dataset)
+    report = trainer.spec_distill_report
+    assert report["truncated"] and report["steps"] < 10_000
+    assert report["seconds"] < 5
+    assert not (tmp_path / "home" / "heads").exists() or not any((tmp_path / "home" / "heads").iterdir())

@@ -43,6 +43,9 @@ class HeadDistillConfig:
     nll_weight: float = field(default=1.0, metadata={"help": "weight of cross-entropy on the realised token."})
     max_seconds: float | None = field(
         default=None, metadata={"help": "stop training early after this many seconds (``None``: no limit)."})
+    sampling_max_seconds: float | None = field(
+        default=None,
+        metadata={"help": "start no new sampling batch after this many seconds (``None``: sample every prompt)."})
     heldout_fraction: float = field(default=0.1, metadata={"help": "share of samples kept for hit rates."})
     seed: int = field(default=0, metadata={"help": "seeds sampling and batching."})
     hit_ks: tuple[int, ...] = field(default=(1, 3, 5), metadata={"help": "the k of the top-k hit rates reported."})
@@ -60,6 +63,9 @@ class HeadDistillConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.target_topk < max(self.hit_ks):
             raise ValueError(f"target_topk ({self.target_topk}) must be >= the largest hit k ({max(self.hit_ks)})")
+        for name in ("max_seconds", "sampling_max_seconds"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
 
@@ -106,7 +112,10 @@ def sample_sequences(model, prompt_ids: list[list[int]], config: HeadDistillConf
     out: list[tuple[list[int], list[int]]] = []
     torch.manual_seed(config.seed)
     device = next(model.parameters()).device
+    start = time.time()
     for i in tqdm(range(0, len(prompt_ids), config.sample_batch_size), desc="sampling policy", disable=not progress):
+        if config.sampling_max_seconds is not None and out and time.time() - start > config.sampling_max_seconds:
+            break
         chunk = prompt_ids[i : i + config.sample_batch_size]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in chunk], device=device)
@@ -123,14 +132,15 @@ def sample_sequences(model, prompt_ids: list[list[int]], config: HeadDistillConf
 
 @torch.no_grad()
 def build_stream(model, pairs: list[tuple[list[int], list[int]]], temperature: float = 1.0, topk: int = 32,
-                 batch_size: int = 8, chunk: int = 2048) -> TokenStream:
+                 batch_size: int = 8, chunk: int = 2048, progress: bool = False,
+                 desc: str = "forward passes") -> TokenStream:
     """Run the frozen policy over each ``(prompt, completion)`` and keep its final hidden states and the top-``topk``
     of its distribution at ``temperature`` at every position."""
     device = next(model.parameters()).device
     lm_head = lm_head_of(model)
     hidden, ids, anchor_ok, seq_end, top_ids, top_probs = [], [], [], [], [], []
     offset = 0
-    for i in range(0, len(pairs), batch_size):
+    for i in tqdm(range(0, len(pairs), batch_size), desc=desc, disable=not progress):
         batch_pairs = pairs[i : i + batch_size]
         width = max(len(p) + len(c) for p, c in batch_pairs)
         batch = torch.zeros((len(batch_pairs), width), dtype=torch.long, device=device)
@@ -255,20 +265,24 @@ def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config:
         p.requires_grad_(False)
     lm_head = lm_head_of(model)
     start = time.time()
+    if not prompt_ids:
+        raise ValueError("head distillation needs at least one prompt")
     pairs = sample_sequences(model, prompt_ids[: config.num_samples], config, pad_token_id, progress)
-    n_heldout = max(1, int(len(pairs) * config.heldout_fraction))
-    streams = [build_stream(model, pairs[n_heldout:], config.temperature, config.target_topk)]
+    n_heldout = max(1, int(len(pairs) * config.heldout_fraction)) if len(pairs) > 1 else 0
+    streams = [build_stream(model, pairs[n_heldout:], config.temperature, config.target_topk, progress=progress,
+                            desc="targets of the samples")]
     if text_pairs:
-        streams.append(build_stream(model, text_pairs, config.temperature, config.target_topk))
+        streams.append(build_stream(model, text_pairs, config.temperature, config.target_topk, progress=progress,
+                                    desc="teacher-forced text"))
     train_stream = TokenStream.concat(streams)
-    heldout_stream = build_stream(model, pairs[:n_heldout], config.temperature, config.target_topk)
+    heldout_stream = build_stream(model, pairs[:n_heldout] or pairs, config.temperature, config.target_topk)
     sampling_seconds = time.time() - start
     if heads is None:
         draft_ids = None
-        if config.draft_vocab_size:
+        if config.draft_vocab_size and config.draft_vocab_size < lm_head.weight.shape[0]:
             eos = model.generation_config.eos_token_id
-            draft_ids = draft_vocabulary(train_stream, config.draft_vocab_size,
-                                         list(eos) if isinstance(eos, (list, tuple)) else [eos])
+            always = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+            draft_ids = draft_vocabulary(train_stream, config.draft_vocab_size, always)
         heads = SpeculativeHeads.from_model(model, num_heads=config.num_heads, num_layers=config.num_layers,
                                             draft_ids=draft_ids)
         heads.float()
@@ -283,6 +297,8 @@ def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config:
         target_mass=target_mass,
         draft_vocab_size=heads.config.draft_vocab_size,
         mean_completion_tokens=sum(len(c) for _, c in pairs) / len(pairs),
+        samples=len(pairs),
+        truncated=len(pairs) < min(len(prompt_ids), config.num_samples) or report["steps"] < config.steps,
     )
     return heads, report
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 
@@ -27,7 +28,7 @@ from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import GenerationContext, StepFeedback, StepHook
 from .kvcache import RaggedCache
 from .tree import DraftTree, PathTable, select_tree
-from .verify import Emission, TargetDistribution, emit, expected_accepted
+from .verify import Emission, TargetDistribution, UnsupportedProcessorsError, emit, expected_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class SpeculativeConfig:
         return_logprobs: also return the target's ``log_softmax(logits / T)`` of each emitted token.
         compact_ratio: squeeze holes out of the KV cache when they exceed this share of its length.
         fallback_to_generate: on an unsupported model, log and fall back to ``model.generate`` instead of
-            raising.
+            raising; likewise, for one call, on generation options whose logits processors the engine cannot
+            reproduce per tree node (one warning per option set).
         synced_gpus: keep issuing forwards until every rank has finished (needed when parameters are sharded
             and each forward all-gathers them: ZeRO-3 without gathering, FSDP). ``None``: as ``generate``
             decides, i.e. on when ZeRO-3 or FSDP manages the model and the world size is above 1.
@@ -231,6 +233,7 @@ class SpeculativeGenerator:
         self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
                                    else FixedBudget(self.config.capacity, self.config.max_nodes))
         self.supported_error: str | None = None
+        self._warned_options: set[tuple[str, ...]] = set()
         try:
             check_model_supported(model)
         except ValueError as err:
@@ -279,7 +282,16 @@ class SpeculativeGenerator:
         if self.supported_error is not None:
             return self._fallback(input_ids, attention_mask, gen, max_new, start)
         gen.max_new_tokens = max_new
-        target = TargetDistribution(self.model, gen, attention_mask)  # refuses unreproducible processors first
+        try:
+            target = TargetDistribution(self.model, gen, attention_mask)  # refuses unreproducible processors first
+        except UnsupportedProcessorsError as err:
+            if not self.config.fallback_to_generate:
+                raise
+            if tuple(err.options) not in self._warned_options:
+                self._warned_options.add(tuple(err.options))
+                warnings.warn(f"speculative engine: generation option(s) {err.options} cannot be reproduced per "
+                              "tree node; these calls use model.generate", stacklevel=2)
+            return self._fallback(input_ids, attention_mask, gen, max_new, start, reason=str(err))
         stats = GenerationStats(capacity=self.config.capacity)
         state = self._prefill(input_ids, attention_mask, target, stats)
         hooks = TimedHooks(self.hooks, stats)
@@ -362,13 +374,18 @@ class SpeculativeGenerator:
         logits = out.logits  # [B, n, V]
         state.steps += 1
         self._check_finite(logits, state.steps, state.rows)
-        node_ids = ignore = None
-        if state.target.needs_input_ids:
-            node_ids, ignore = self._node_input_ids(state, tree)
         position = (state.done_len[state.rows][:, None] + tree.depth).clamp(max=state.max_new - 1)  # what it samples
         uniforms = state.uniforms[state.rows[:, None], position].reshape(-1)
-        sampled, probs = state.target.sample(state.target.scores(logits.reshape(active * n, -1), node_ids, ignore),
-                                             uniforms)
+        flat = logits.reshape(active * n, -1)
+        if state.target.needs_sequences:
+            scores = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+            for index, ids, ignore in self._node_sequences(state, tree):
+                scores[index] = state.target.scores(flat[index], ids, ignore)
+        elif state.target.needs_input_ids:
+            scores = state.target.scores(flat, *self._node_input_ids(state, tree))
+        else:
+            scores = state.target.scores(flat, None, None)
+        sampled, probs = state.target.sample(scores, uniforms)
         return Verification(logits, out.hidden_states[-1], sampled.view(active, n), probs.view(active, n, -1))
 
     def _commit(self, state: DecodeState, draft: Draft, verdict: Verification,
@@ -456,6 +473,26 @@ class SpeculativeGenerator:
         ids = torch.cat([base[:, None].expand(-1, n, -1), tree.path_tokens], dim=2)
         return ids.reshape(active * n, -1), state.pad_len[rows].repeat_interleave(n)
 
+    def _node_sequences(self, state: DecodeState, tree: DraftTree):
+        """Per node, its true sequence: padded prompt + committed completion + path below the root, grouped by
+        length (what order- and length-reading processors see in ``generate``). Yields ``(node index, input_ids,
+        prompt padding)`` per group, node indices into the flattened ``[B_t * n]`` nodes."""
+        rows, (active, n) = state.rows, tree.tokens.shape
+        done = state.done_len[rows]  # completion tokens committed, the root included
+        length = done[:, None] + tree.depth  # [B_t, n] completion tokens before each node's sample
+        width = int(length.max())
+        j = torch.arange(width, device=done.device)
+        comp = torch.nn.functional.pad(state.completion[rows], (0, max(0, width - state.max_new)))[:, :width]
+        below_root = (j[None, None] - done[:, None, None] + 1).clamp(0, tree.path_tokens.shape[2] - 1)
+        path = tree.path_tokens.gather(2, below_root.expand(active, n, width))
+        seq = torch.where(j[None, None] < done[:, None, None], comp[:, None], path).reshape(active * n, width)
+        prompts = state.prompt_ids[rows].repeat_interleave(n, dim=0)
+        pad = state.pad_len[rows].repeat_interleave(n)
+        length = length.reshape(-1)
+        for size in torch.unique(length).tolist():
+            index = (length == size).nonzero().squeeze(1)
+            yield index, torch.cat([prompts[index], seq[index, :size]], dim=1), pad[index]
+
     @staticmethod
     def _check_finite(logits: torch.Tensor, step: int, rows: torch.Tensor) -> None:
         bad = ~torch.isfinite(logits).reshape(logits.shape[0], -1).all(1)
@@ -471,11 +508,11 @@ class SpeculativeGenerator:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
-    def _fallback(self, input_ids, attention_mask, gen, max_new, start) -> GenerationOutput:
+    def _fallback(self, input_ids, attention_mask, gen, max_new, start, reason=None) -> GenerationOutput:
         seqs = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen,
                                    max_new_tokens=max_new)[:, input_ids.shape[1]:].tolist()
         eos = set(self._eos_ids(gen))
         result = [s[: next((i + 1 for i, t in enumerate(s) if t in eos), len(s))] for s in seqs]
-        stats = GenerationStats(forwards=max(map(len, result)), fallback=True, reason=self.supported_error,
+        stats = GenerationStats(forwards=max(map(len, result)), fallback=True, reason=reason or self.supported_error,
                                 tokens=sum(map(len, result)), seconds=time.perf_counter() - start)
         return GenerationOutput(result, None, stats)

@@ -2,7 +2,8 @@
 
 For every tree node ``v`` the target distribution ``p_v`` is built with Hugging Face's own logits
 processors, exactly as ``model.generate`` builds them for the same ``GenerationConfig`` (fp32; input ids =
-prompt + committed completion + path to ``v``). One sample ``y_v ~ p_v`` is drawn per node; starting at
+prompt + committed completion + path to ``v``; processors that read only the *set* of ids get a cheaper
+filler-padded copy). One sample ``y_v ~ p_v`` is drawn per node; starting at
 the root we descend into the child whose token equals ``y_v`` and stop at the first node without one,
 emitting its ``y_v``. Children of a node are distinct tokens fixed before sampling, so the accepted path
 is unique and every emitted token is distributed exactly as the target would sample it. The head's own
@@ -20,10 +21,16 @@ from transformers.generation.logits_process import (
     EtaLogitsWarper,
     InfNanRemoveLogitsProcessor,
     LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
+    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
@@ -33,11 +40,12 @@ from .tree import DraftTree
 
 # Processors whose output depends only on the scores and on the *set* of tokens in input_ids, so a
 # path-dependent, filler-padded input_ids reproduces generate's behaviour exactly.
-SUPPORTED_PROCESSORS = (
+SET_PROCESSORS = (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TopHLogitsWarper,
     MinPLogitsWarper,
     TypicalLogitsWarper,
     EpsilonLogitsWarper,
@@ -45,6 +53,41 @@ SUPPORTED_PROCESSORS = (
     InfNanRemoveLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
+# Processors that read the order or the length of input_ids: they need each node's true sequence.
+SEQUENCE_PROCESSORS = (
+    NoRepeatNGramLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinLengthLogitsProcessor,
+)
+SUPPORTED_PROCESSORS = SET_PROCESSORS + SEQUENCE_PROCESSORS
+# The ``GenerationConfig`` option behind each processor the engine cannot reproduce (named in the error/warning).
+PROCESSOR_OPTIONS = {
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+    "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
+    "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+    "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "WatermarkLogitsProcessor": "watermarking_config",
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
+}
+
+
+class UnsupportedProcessorsError(ValueError):
+    """The generation config needs logits processors the engine cannot reproduce per tree node; ``options`` names
+    the ``GenerationConfig`` options behind them."""
+
+    def __init__(self, processors: list[str]):
+        self.options = sorted({PROCESSOR_OPTIONS.get(name, name) for name in processors})
+        super().__init__(
+            f"generation option(s) {self.options} need logits processors the speculative engine cannot reproduce "
+            f"per tree node ({processors}). Supported: {[c.__name__ for c in SUPPORTED_PROCESSORS]}"
+        )
 
 
 class TargetDistribution:
@@ -66,15 +109,14 @@ class TargetDistribution:
         )
         unsupported = [type(p).__name__ for p in self.processors if not isinstance(p, SUPPORTED_PROCESSORS)]
         if unsupported:
-            raise ValueError(
-                f"generation config needs logits processors the speculative engine cannot reproduce per tree "
-                f"node: {unsupported}. Supported: {[c.__name__ for c in SUPPORTED_PROCESSORS]}"
-            )
+            raise UnsupportedProcessorsError(unsupported)
         self.repetition = [p for p in self.processors if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+        self.needs_sequences = any(isinstance(p, SEQUENCE_PROCESSORS) for p in self.processors)
 
     @property
     def needs_input_ids(self) -> bool:
-        return bool(self.repetition)
+        """Whether the processors read input ids at all (``needs_sequences``: their order and length too)."""
+        return bool(self.repetition) or self.needs_sequences
 
     def scores(self, logits: torch.Tensor, input_ids: torch.Tensor | None, ignore_prefix: torch.Tensor | None):
         """Processed fp32 scores for ``logits [N, V]``; ``input_ids [N, L]`` whose first ``ignore_prefix[n]``

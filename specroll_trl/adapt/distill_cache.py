@@ -1,0 +1,80 @@
+"""Distilled heads cached on disk, keyed by everything that determines them: the policy's weights, the prompts and
+the distillation settings. A second run on the same policy and data loads the heads instead of distilling again."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..engine.heads import SpeculativeHeads
+from .distill import HeadDistillConfig, distill_heads
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the distillation recipe changes what the same key would produce
+
+
+def default_cache_dir() -> Path:
+    """``$SPECROLL_HOME/heads`` (``SPECROLL_HOME`` defaults to ``~/.cache/specroll_trl``)."""
+    return Path(os.environ.get("SPECROLL_HOME", Path.home() / ".cache" / "specroll_trl")).expanduser() / "heads"
+
+
+def policy_fingerprint(model) -> str:
+    """SHA-256 over the policy's parameter and buffer names, shapes, dtypes and bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def cache_key(model, prompt_ids: list[list[int]], pad_token_id: int, config: HeadDistillConfig) -> str:
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("max_seconds", "sampling_max_seconds")}
+    prompts = hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()
+    payload = {"format": CACHE_FORMAT, "policy": policy_fingerprint(model), "prompts": prompts,
+               "pad": pad_token_id, "settings": settings}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def cached_distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config: HeadDistillConfig,
+                         cache_dir: str | Path | None, progress: bool = True):
+    """``distill_heads`` through the cache in ``cache_dir`` (``None``: no cache): returns ``(heads, report)``,
+    ``report["cache"]`` saying ``"hit"``, ``"miss"`` or ``"off"``. A distillation cut short by its time bounds is
+    not cached (another run could get further). A folder appears whole or not at all."""
+    if cache_dir is None:
+        heads, report = distill_heads(model, prompt_ids, pad_token_id, config, progress=progress)
+        return heads, {**report, "cache": "off"}
+    folder = Path(cache_dir) / cache_key(model, prompt_ids, pad_token_id, config)
+    report_file = folder / "distill_report.json"
+    if report_file.is_file():
+        try:
+            heads = SpeculativeHeads.from_pretrained(folder)
+            heads.check_compatible(model)
+            report = json.loads(report_file.read_text())
+            logger.info("speculative heads loaded from the distillation cache: %s", folder)
+            return heads, {**report, "cache": "hit", "cache_folder": str(folder)}
+        except (OSError, ValueError) as err:  # an unreadable entry is rebuilt, not fatal
+            logger.warning("ignoring the unreadable cached heads in %s: %s", folder, err)
+    heads, report = distill_heads(model, prompt_ids, pad_token_id, config, progress=progress)
+    report = {**report, "cache": "miss", "cache_folder": str(folder)}
+    if report.get("truncated"):
+        return heads, report
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    try:
+        heads.save_pretrained(tmp)
+        (tmp / "distill_report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    except OSError as err:  # a read-only or full disk costs the next run a distillation, not this one its heads
+        logger.warning("could not cache the distilled heads in %s: %s", folder, err)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return heads, report

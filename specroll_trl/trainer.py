@@ -76,7 +76,8 @@ class SpecGRPOConfig(GRPOConfig):
             Optimiser steps of the initial distillation.
         spec_distill_max_seconds (`float` or `None`, *optional*, defaults to `120.0`):
             Wall-time bound of the initial distillation: half for sampling (no new batch after it), half for
-            training. `None`: no bound (samples and steps only). A distillation cut short is not cached.
+            training. `None`: no bound (samples and steps only). Heads cut short by it are cached too (the bound
+            is part of the cache key).
         spec_distill_cache (`bool`, *optional*, defaults to `True`):
             Cache distilled heads under `$SPECROLL_HOME/heads/`, keyed by the policy's weights, the distillation
             prompts and settings: a second run on the same policy and data loads them instead of distilling.
@@ -250,19 +251,24 @@ class SpecGRPOTrainer(GRPOTrainer):
             heads = SpeculativeHeads.from_pretrained(path)
             heads.check_compatible(policy)
             return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-        if self.spec.init_heads == "zeros":
-            warnings.warn("SpecGRPOTrainer: no spec_heads_path given; starting from zero-initialised heads "
-                          "(low acceptance until they are trained)", stacklevel=3)
+        prompts = self._distill_prompts() if self.spec.init_heads == "distill" else []
+        if not prompts:
+            why = ("spec_init_heads='zeros'" if self.spec.init_heads == "zeros" else
+                   "no plain prompts to distil on (environments render their own, or no 'prompt' column)")
+            warnings.warn(f"SpecGRPOTrainer: no spec_heads_path given and {why}; starting from zero-initialised "
+                          "heads (low acceptance until they are trained)", stacklevel=3)
             return SpeculativeHeads.from_model(policy, num_heads=self.spec.num_heads)
         warnings.warn("SpecGRPOTrainer: no spec_heads_path given; self-distilling heads on the first training "
                       "prompts before the first step (cached for the next run: spec_distill_cache)", stacklevel=3)
-        heads = self._distill_initial_heads()
+        heads = self._distill_initial_heads(prompts)
         return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
 
     def _distill_prompts(self) -> list[list[int]]:
         """Token ids of the first ``spec_distill_samples`` distinct prompts in the order the trainer's first batches
         take them (its own sampler, or the shuffled stream of an ``IterableDataset``; the same on every rank),
-        rendered by TRL's own prompt tokenisation."""
+        rendered by TRL's own prompt tokenisation. Empty when environments render the prompts or rows have none."""
+        if getattr(self, "environment_factories", None) is not None:
+            return []
         dataset = self.train_dataset
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
             if self.shuffle_dataset and hasattr(dataset, "shuffle"):
@@ -270,17 +276,13 @@ class SpecGRPOTrainer(GRPOTrainer):
             rows = iter(dataset)
         else:
             rows = (dataset[i] for i in dict.fromkeys(self._get_train_sampler(dataset)))
-        prompts = [row["prompt"] for row in itertools.islice(rows, self.spec.distill_samples)]
-        if not prompts:
-            raise ValueError("SpecGRPOTrainer cannot distil heads: the training dataset yielded no prompt; pass "
-                             "spec_heads_path or spec_init_heads='zeros'")
-        return [list(ids) for ids in self._tokenize_prompts(prompts)[0]]
+        prompts = [row["prompt"] for row in itertools.islice(rows, self.spec.distill_samples) if "prompt" in row]
+        return [list(ids) for ids in self._tokenize_prompts(prompts)[0]] if prompts else []
 
-    def _distill_initial_heads(self) -> SpeculativeHeads:
+    def _distill_initial_heads(self, prompts: list[list[int]]) -> SpeculativeHeads:
         from .adapt.distill import HeadDistillConfig
         from .adapt.distill_cache import cached_distill_heads, default_cache_dir
 
-        prompts = self._distill_prompts()
         seconds = self.spec.distill_max_seconds
         config = HeadDistillConfig(
             num_heads=self.spec.num_heads, num_samples=len(prompts), steps=self.spec.distill_steps,

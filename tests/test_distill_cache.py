@@ -13,11 +13,11 @@ PROMPTS = [[2, 3, 4], [5, 6], [7, 8, 9, 10], [3, 3]]
 CONFIG = HeadDistillConfig(num_heads=2, num_samples=4, max_new_tokens=6, steps=3, batch_size=16, target_topk=8)
 
 
-def test_cache_key_follows_weights_prompts_and_settings_but_not_time_bounds():
+def test_cache_key_follows_weights_prompts_and_settings():
     model = make_model()
     key = cache_key(model, PROMPTS, 0, CONFIG)
     assert key == cache_key(make_model(), PROMPTS, 0, CONFIG)  # same weights, another object
-    assert key == cache_key(model, PROMPTS, 0, dataclasses.replace(CONFIG, max_seconds=5.0, sampling_max_seconds=1.0))
+    assert key != cache_key(model, PROMPTS, 0, dataclasses.replace(CONFIG, max_seconds=5.0))
     assert key != cache_key(model, PROMPTS[:3], 0, CONFIG)
     assert key != cache_key(model, PROMPTS, 0, dataclasses.replace(CONFIG, temperature=0.7))
     assert key != cache_key(model, PROMPTS, 1, CONFIG)

@@ -453,11 +453,13 @@ def test_distillation_prompts_are_the_first_ones_the_trainer_generates_for(nano,
     assert not (tmp_path / "home" / "heads").exists()
 
 
-def test_distillation_time_bound_is_kept_and_a_cut_short_run_is_not_cached(nano, tmp_path, dataset, monkeypatch):
+def test_distillation_time_bound_is_kept_and_the_cut_short_heads_are_reused(nano, tmp_path, dataset, monkeypatch):
     monkeypatch.setattr(distill_cache, "default_cache_dir", lambda: tmp_path / "home" / "heads")
     trainer = new_trainer(distill_args(tmp_path, spec_distill_samples=32, spec_distill_steps=10_000,
                                        spec_distill_max_seconds=0.5), dataset)
     report = trainer.spec_distill_report
     assert report["truncated"] and report["steps"] < 10_000
-    assert report["seconds"] < 5
-    assert not (tmp_path / "home" / "heads").exists() or not any((tmp_path / "home" / "heads").iterdir())
+    assert report["seconds"] < 5 and report["cache"] == "miss"
+    again = new_trainer(distill_args(tmp_path / "2", spec_distill_samples=32, spec_distill_steps=10_000,
+                                     spec_distill_max_seconds=0.5), dataset)
+    assert again.spec_distill_report["cache"] == "hit" and again.spec_distill_report["truncated"]

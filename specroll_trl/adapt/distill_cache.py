@@ -37,7 +37,7 @@ def policy_fingerprint(model) -> str:
 
 
 def cache_key(model, prompt_ids: list[list[int]], pad_token_id: int, config: HeadDistillConfig) -> str:
-    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("max_seconds", "sampling_max_seconds")}
+    settings = dataclasses.asdict(config)  # time bounds included: a run cut short by them is reused as such
     prompts = hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()
     payload = {"format": CACHE_FORMAT, "policy": policy_fingerprint(model), "prompts": prompts,
                "pad": pad_token_id, "settings": settings}
@@ -48,7 +48,7 @@ def cached_distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, 
                          cache_dir: str | Path | None, progress: bool = True):
     """``distill_heads`` through the cache in ``cache_dir`` (``None``: no cache): returns ``(heads, report)``,
     ``report["cache"]`` saying ``"hit"``, ``"miss"`` or ``"off"``. A distillation cut short by its time bounds is
-    not cached (another run could get further). A folder appears whole or not at all."""
+    cached too (``report["truncated"]``; the bounds are part of the key). A folder appears whole or not at all."""
     if cache_dir is None:
         heads, report = distill_heads(model, prompt_ids, pad_token_id, config, progress=progress)
         return heads, {**report, "cache": "off"}
@@ -65,8 +65,6 @@ def cached_distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, 
             logger.warning("ignoring the unreadable cached heads in %s: %s", folder, err)
     heads, report = distill_heads(model, prompt_ids, pad_token_id, config, progress=progress)
     report = {**report, "cache": "miss", "cache_folder": str(folder)}
-    if report.get("truncated"):
-        return heads, report
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     try:
         heads.save_pretrained(tmp)

@@ -76,12 +76,11 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
         for batch_size in batch_sizes:
             prompts = task_prompt_ids(tokenizer, task, batch_size, seed=4242 + batch_size, conversational=chat)
             ids, mask = (t.to(device) for t in _left_pad(prompts, tokenizer.pad_token_id))
-            wanted = list(modes) + (["assisted_prompt_lookup"] if batch_size == 1 else [])
+            wanted = {**modes, **({"assisted_prompt_lookup": None} if batch_size == 1 else {})}
             with torch.no_grad():
                 for engine in modes.values():
                     engine.generate(ids[:, -64:], mask[:, -64:], max_new_tokens=8)  # warm-up, untimed
-                for mode in wanted:
-                    records.append(_alternate(model, modes.get(mode), mode, ids, mask, gc, repeats))
+                records += _alternate(model, wanted, ids, mask, gc, repeats)
             for r in records[-len(wanted):]:
                 r.update(batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
                          model=model_name, task=task, capacity=capacity if r["mode"] == "spec_fixed" else None,
@@ -94,37 +93,46 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
     return records
 
 
-def _alternate(model, engine, mode: str, ids, mask, gc, repeats: int) -> dict:
-    """``repeats`` alternating (vanilla ``generate``, ``engine``) pairs on the same prompts and seeds; medians. Both
-    sample the same distribution but not the same draws, so completion lengths differ: ``per_token_speedup``
-    compares seconds per generated token as well as ``speedup`` whole calls."""
-    vanilla_s, vanilla_tokens, spec_s, taus, accepts, tokens, nodes = [], [], [], [], [], [], []
+def _alternate(model, engines: dict, ids, mask, gc, repeats: int) -> list[dict]:
+    """``repeats`` rounds, each of one vanilla ``generate`` then every engine (``None``: HF's prompt-lookup assisted
+    decoding) on the same prompts and seed; one record per engine, with medians. All sample the same distribution
+    but not the same draws, so completion lengths differ: ``per_token_speedup`` compares seconds per generated
+    token as well as ``speedup`` whole calls."""
+    vanilla_s, vanilla_tokens = [], []
+    runs = {mode: {"s": [], "tokens": [], "tau": [], "accept": [], "nodes": []} for mode in engines}
     for r in range(repeats):
         torch.manual_seed(r)
         seconds, n = _vanilla(model, ids, mask, gc)
         vanilla_s.append(seconds)
         vanilla_tokens.append(n)
-        torch.manual_seed(r)
-        if engine is None:  # HF's own assisted decoding, for reference
-            s, n = _vanilla(model, ids, mask, gc, prompt_lookup_num_tokens=4)
-        else:
-            out = engine.generate(ids, mask)
-            s, n = out.stats.seconds, out.stats.tokens
-            taus.append(out.stats.tau)
-            accepts.append(out.stats.accept_per_head)
-            nodes.append(sum(out.stats.nodes_per_row) / max(1, len(out.stats.nodes_per_row)))
-        spec_s.append(s)
-        tokens.append(n)
-    v_med, s_med = statistics.median(vanilla_s), statistics.median(spec_s)
+        for mode, engine in engines.items():
+            torch.manual_seed(r)
+            run = runs[mode]
+            if engine is None:
+                s, n = _vanilla(model, ids, mask, gc, prompt_lookup_num_tokens=4)
+            else:
+                out = engine.generate(ids, mask)
+                s, n = out.stats.seconds, out.stats.tokens
+                run["tau"].append(out.stats.tau)
+                run["accept"].append(out.stats.accept_per_head)
+                run["nodes"].append(sum(out.stats.nodes_per_row) / max(1, len(out.stats.nodes_per_row)))
+            run["s"].append(s)
+            run["tokens"].append(n)
+    v_med = statistics.median(vanilla_s)
     v_per_token = sum(vanilla_s) / max(1, sum(vanilla_tokens))
-    s_per_token = sum(spec_s) / max(1, sum(tokens))
-    return {"mode": mode, "vanilla_s": v_med, "spec_s": s_med, "speedup": v_med / s_med,
-            "per_token_speedup": v_per_token / s_per_token,
-            "tau": statistics.median(taus) if taus else None,
+    records = []
+    for mode, run in runs.items():
+        s_med = statistics.median(run["s"])
+        accepts = run["accept"]
+        records.append({
+            "mode": mode, "vanilla_s": v_med, "spec_s": s_med, "speedup": v_med / s_med,
+            "per_token_speedup": v_per_token / (sum(run["s"]) / max(1, sum(run["tokens"]))),
+            "tau": statistics.median(run["tau"]) if run["tau"] else None,
             "accept_per_head": [statistics.mean(a[d] for a in accepts) for d in range(len(accepts[0]))]
             if accepts else [],
-            "tokens_per_s": statistics.median(tokens) / s_med, "vanilla_tokens_per_s": 1 / v_per_token,
-            "nodes_per_row": statistics.mean(nodes) if nodes else 0.0, "repeats": repeats}
+            "tokens_per_s": statistics.median(run["tokens"]) / s_med, "vanilla_tokens_per_s": 1 / v_per_token,
+            "nodes_per_row": statistics.mean(run["nodes"]) if run["nodes"] else 0.0, "repeats": repeats})
+    return records
 
 
 def write_results(records: list[dict], out: str | Path, plot: bool = True) -> None:

@@ -101,17 +101,23 @@ PROMPTS = [[2, 3, 4], [5, 2]]
 LENGTH = 3
 
 
-def exact_completion_distribution(model, prompt, gc):
-    """P(completion) for every completion of up to LENGTH tokens, from generate's own processed scores."""
+def exact_completion_distribution(model, prompt, gc, mask=None):
+    """P(completion) for every completion of up to LENGTH tokens, from generate's own processed scores: one
+    ``generate`` step per prefix on the same (optionally left-padded, ``mask``) input, ``min_new_tokens`` shifted
+    by the prefix length (each call counts new tokens from its own input)."""
     eos = set(gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id])
+    mask = mask or [1] * len(prompt)
     dist = {(): 1.0}
     frontier = [()]
     result = {}
-    for _ in range(LENGTH):
+    for j in range(LENGTH):
         ids = torch.tensor([prompt + list(p) for p in frontier])
-        one = GenerationConfig(**{**gc.to_dict(), "max_new_tokens": 1})
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=one,
-                             output_scores=True, return_dict_in_generate=True)
+        options = {**gc.to_dict(), "max_new_tokens": 1}
+        if gc.min_new_tokens:
+            options["min_new_tokens"] = max(0, gc.min_new_tokens - j) or None
+        out = model.generate(input_ids=ids, attention_mask=torch.tensor([mask + [1] * j] * len(frontier)),
+                             generation_config=GenerationConfig(**options), output_scores=True,
+                             return_dict_in_generate=True)
         probs = torch.softmax(out.scores[0].double(), -1)
         nxt = []
         for prefix, p in zip(frontier, probs):

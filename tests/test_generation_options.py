@@ -14,10 +14,16 @@ from specroll_trl.engine.verify import UnsupportedProcessorsError
 from specroll_trl.experiments.zoo import task_prompt_ids
 
 from .conftest import left_padded, make_model
-from .test_engine import PROMPTS, chi_square_pvalue, count_forwards, generate_reference, noisy_heads
+from .test_engine import (
+    LENGTH,
+    PROMPTS,
+    chi_square_pvalue,
+    count_forwards,
+    exact_completion_distribution,
+    generate_reference,
+    noisy_heads,
+)
 from .test_llama import make_llama, noisy
-
-LENGTH = 3
 
 # vocab 6: 0 pad, 1 eos, 2-5 words. Each option changes the distribution of 3-token completions of PROMPTS.
 SEQUENCE_OPTIONS = {
@@ -30,42 +36,12 @@ SEQUENCE_OPTIONS = {
 }
 
 
-def exact_distribution(model, prompt, mask, gc):
-    """P(completion) of every completion of up to LENGTH tokens after the left-padded ``prompt``: one
-    ``generate`` step per prefix on the same padded input, with ``min_new_tokens`` shifted by the prefix length
-    (each call counts new tokens from its own input)."""
-    eos = set(gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id])
-    dist, frontier, result = {(): 1.0}, [()], {}
-    for j in range(LENGTH):
-        ids = torch.tensor([prompt + list(p) for p in frontier])
-        step_mask = torch.tensor([mask + [1] * j] * len(frontier))
-        options = {**gc.to_dict(), "max_new_tokens": 1}
-        if gc.min_new_tokens:
-            options["min_new_tokens"] = max(0, gc.min_new_tokens - j) or None
-        out = model.generate(input_ids=ids, attention_mask=step_mask, generation_config=GenerationConfig(**options),
-                             output_scores=True, return_dict_in_generate=True)
-        probs = torch.softmax(out.scores[0].double(), -1)
-        nxt = []
-        for prefix, p in zip(frontier, probs):
-            for tok in range(p.shape[0]):
-                if p[tok] == 0:
-                    continue
-                seq = prefix + (tok,)
-                dist[seq] = dist[prefix] * float(p[tok])
-                if tok in eos or len(seq) == LENGTH:
-                    result[seq] = dist[seq]
-                else:
-                    nxt.append(seq)
-        frontier = nxt
-    return result
-
-
 @pytest.mark.parametrize("name", sorted(SEQUENCE_OPTIONS))
 def test_sequence_options_sample_exactly(name):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
     gc = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0, temperature=1.0,
                           top_k=0, **SEQUENCE_OPTIONS[name])
-    n = 8000
+    n = 6000
     ids, mask = left_padded([p for p in PROMPTS for _ in range(n)])
     torch.manual_seed(5)
     engine = SpeculativeGenerator(model, noisy_heads(model, std=0.4, seed=1), gc, capacity=10**9, max_nodes=7,
@@ -74,7 +50,7 @@ def test_sequence_options_sample_exactly(name):
     assert not out.stats.fallback
     assert out.stats["accepted"] > 0.1 * out.stats["row_forwards"]  # drafts were really accepted
     for i in range(len(PROMPTS)):
-        exact = exact_distribution(model, ids[i * n].tolist(), mask[i * n].tolist(), gc)
+        exact = exact_completion_distribution(model, ids[i * n].tolist(), gc, mask[i * n].tolist())
         assert abs(sum(exact.values()) - 1) < 1e-9
         assert chi_square_pvalue(out.completion_ids[i * n : (i + 1) * n], exact) > 1e-3
 
@@ -85,10 +61,10 @@ def test_the_enumeration_sees_each_option():
     base = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0, top_k=0)
     ids, mask = left_padded(PROMPTS)
     for i in range(len(PROMPTS)):
-        plain = exact_distribution(model, ids[i].tolist(), mask[i].tolist(), base)
+        plain = exact_completion_distribution(model, ids[i].tolist(), base, mask[i].tolist())
         for name, options in SEQUENCE_OPTIONS.items():
-            other = exact_distribution(model, ids[i].tolist(), mask[i].tolist(),
-                                       GenerationConfig(**{**base.to_dict(), **options}))
+            other = exact_completion_distribution(model, ids[i].tolist(),
+                                                  GenerationConfig(**{**base.to_dict(), **options}), mask[i].tolist())
             gap = sum(abs(plain.get(k, 0) - other.get(k, 0)) for k in set(plain) | set(other))
             assert gap > 0.01, f"{name} does not change the distribution after prompt {i}"
 

@@ -8,11 +8,9 @@ top-1/3/5 hit rates on held-out samples of the policy are printed at the end.
 """
 
 import argparse
-import json
-from pathlib import Path
 
 from specroll_trl import HeadDistillConfig, SpeculativeHeads, distill_heads
-from specroll_trl.adapt.distill import format_hit_table
+from specroll_trl.adapt.distill import format_hit_table, save_distilled
 from specroll_trl.experiments import zoo
 
 
@@ -39,10 +37,8 @@ def main():
                                                  target_modules=["linear"]))
     prompts = zoo.task_prompt_ids(tokenizer, args.task, config.num_samples, seed=20_000)
     heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config, heads=heads)
-    heads.save_pretrained(args.out)  # adapters only when LoRA-wrapped
-    Path(args.out, "distill_report.json").write_text(json.dumps(
-        {**report, "hit_rates": [{str(k): v for k, v in r.items()} for r in report["hit_rates"]]}, indent=2))
-    print(format_hit_table(report["hit_rates"]))
+    save_distilled(heads, report, args.out)  # adapters only when LoRA-wrapped
+    print(format_hit_table(report["hit_rates"], report.get("target_mass")))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _demo(args) -> int:
-    from .adapt.distill import format_hit_table
+    from .adapt.distill import REPORT_FILE, format_hit_table
     from .experiments import zoo
     from .experiments.demo import demo_defaults, format_summary, run_demo
 
@@ -41,9 +41,8 @@ def _demo(args) -> int:
     if heads_path is None:
         print("[3/4] speculative heads (self-distilled on the policy's own samples, cached)", flush=True)
         heads_path = str(zoo.build_heads(args.model))
-        report = json.loads((Path(heads_path) / "distill_report.json").read_text())
-        print(format_hit_table([{int(k): v for k, v in r.items()} for r in report["hit_rates"]],
-                               report.get("target_mass")))
+        report = json.loads((Path(heads_path) / REPORT_FILE).read_text())
+        print(format_hit_table(report["hit_rates"], report.get("target_mass")))
     else:
         print(f"[3/4] speculative heads from {heads_path}", flush=True)
     print(f"[4/4] {' vs '.join(run['trainers'])}: {run['steps']} GRPO steps x {run['repeats']} runs each, "
@@ -57,7 +56,7 @@ def _demo(args) -> int:
 
 
 def _train_heads(args) -> int:
-    from .adapt.distill import HeadDistillConfig, distill_heads, format_hit_table
+    from .adapt.distill import HeadDistillConfig, distill_heads, format_hit_table, save_distilled
     from .experiments import zoo
 
     model, tokenizer = zoo.load_policy(args.model)
@@ -67,12 +66,9 @@ def _train_heads(args) -> int:
     )
     prompts = zoo.task_prompt_ids(tokenizer, args.task, config.num_samples, seed=args.seed + 20_000)
     heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config)
-    out = Path(args.out)
-    heads.save_pretrained(out)
-    report["hit_rates"] = [{str(k): v for k, v in r.items()} for r in report["hit_rates"]]
-    (out / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(format_hit_table([{int(k): v for k, v in r.items()} for r in report["hit_rates"]]))
-    print(f"heads saved to {out}")
+    save_distilled(heads, report, args.out)
+    print(format_hit_table(report["hit_rates"], report.get("target_mass")))
+    print(f"heads saved to {args.out}")
     return 0
 
 

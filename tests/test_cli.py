@@ -81,7 +81,7 @@ SINKS = {  # where the handlers hand their settings: replaced by recorders, so n
     "specroll_trl.experiments.demo": ["run_demo", "format_summary"],
     "specroll_trl.experiments.zoo": ["load_policy", "resolve_policy", "build_heads", "task_examples",
                                      "evaluate_policy", "task_prompt_ids"],
-    "specroll_trl.adapt.distill": ["distill_heads", "format_hit_table"],
+    "specroll_trl.adapt.distill": ["distill_heads", "format_hit_table", "save_distilled"],
     "specroll_trl.export": ["export_vllm"],
 }
 

@@ -10,6 +10,7 @@ With ``draft_vocab_size`` the heads get a draft vocabulary: the tokens most freq
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine.heads import SpeculativeHeads, VocabProjection, lm_head_of
+
+REPORT_FILE = "distill_report.json"
 
 
 @dataclass
@@ -301,6 +304,14 @@ def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config:
         truncated=len(pairs) < min(len(prompt_ids), config.num_samples) or report["steps"] < config.steps,
     )
     return heads, report
+
+
+def save_distilled(heads: SpeculativeHeads, report: dict, folder) -> None:
+    """Write distilled heads and their report (``REPORT_FILE``, JSON) into ``folder``."""
+    from pathlib import Path
+
+    heads.save_pretrained(folder)  # adapters only when LoRA-wrapped
+    (Path(folder) / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
 def format_hit_table(hit_rates: list[dict[int, float]], target_mass: list[dict] | None = None) -> str:

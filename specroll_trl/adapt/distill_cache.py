@@ -8,13 +8,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from ..engine.heads import SpeculativeHeads
-from .distill import HeadDistillConfig, distill_heads
+from ..files import atomic_folder
+from .distill import REPORT_FILE, HeadDistillConfig, distill_heads, save_distilled
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def cached_distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, 
         heads, report = distill_heads(model, prompt_ids, pad_token_id, config, progress=progress)
         return heads, {**report, "cache": "off"}
     folder = Path(cache_dir) / cache_key(model, prompt_ids, pad_token_id, config)
-    report_file = folder / "distill_report.json"
+    report_file = folder / REPORT_FILE
     if report_file.is_file():
         try:
             heads = SpeculativeHeads.from_pretrained(folder)
@@ -65,14 +65,9 @@ def cached_distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, 
             logger.warning("ignoring the unreadable cached heads in %s: %s", folder, err)
     heads, report = distill_heads(model, prompt_ids, pad_token_id, config, progress=progress)
     report = {**report, "cache": "miss", "cache_folder": str(folder)}
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     try:
-        heads.save_pretrained(tmp)
-        (tmp / "distill_report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
+        with atomic_folder(folder) as tmp:
+            save_distilled(heads, report, tmp)
     except OSError as err:  # a read-only or full disk costs the next run a distillation, not this one its heads
         logger.warning("could not cache the distilled heads in %s: %s", folder, err)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return heads, report

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache import atomic_folder
+from ..files import atomic_folder
 
 logger = logging.getLogger(__name__)
 

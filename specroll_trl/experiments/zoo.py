@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache import atomic_folder
+from ..files import atomic_folder
 from .pretrained import (  # noqa: F401  (PretrainedPackageMissing: re-exported for callers)
     PRETRAINED,
     PRETRAINED_VERSION,
@@ -386,10 +386,10 @@ def task_prompt_ids(tokenizer, task: str, n: int, seed: int, conversational: boo
 def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
     """Distil (once) and cache speculative heads for a zoo preset; returns their folder (``spec_heads/`` inside the
     policy's). A build that fails leaves no temporary folder behind."""
-    from ..adapt.distill import distill_heads
+    from ..adapt.distill import REPORT_FILE, distill_heads, save_distilled
 
     out = heads_dir(preset)
-    if (out / "distill_report.json").is_file() and not force:
+    if (out / REPORT_FILE).is_file() and not force:
         return out
     model, tokenizer = load_policy(preset, progress=progress)
     config = preset_distill_config(preset)
@@ -399,10 +399,7 @@ def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: boo
     text = teacher_forced_text(tokenizer, 96) if pretrained else None
     heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config, progress=progress, text_pairs=text)
     with atomic_folder(out) as tmp:
-        heads.save_pretrained(tmp)
-        for key in ("hit_rates", "target_mass"):
-            report[key] = [{str(k): v for k, v in rates.items()} for rates in report[key]]
-        (tmp / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        save_distilled(heads, report, tmp)
     return out
 
 

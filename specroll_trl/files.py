@@ -1,4 +1,4 @@
-"""Writing into the zoo cache: a folder appears whole or not at all."""
+"""Writing into a cache (the zoo's policies, distilled heads): a folder appears whole or not at all."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .bench import _timed
 from .plots import pyplot, save_figure
-from .zoo import DEFAULT_PRESET, preset_dataset, preset_heads, preset_task
+from .zoo import DEFAULT_PRESET, preset_dataset, preset_heads, preset_task, preset_temperature
 
 VARIANTS = {
     "static": {},
@@ -115,7 +115,8 @@ def bench_ablation(model_name: str = DEFAULT_PRESET, steps: int = 30, num_genera
             overrides["spec_consolidation_kwargs"] = {**overrides.get("spec_consolidation_kwargs", {}),
                                                       **(consolidation or {})}
         record = grpo_run(variant, model_path, heads_path, dataset, overrides, steps, num_generations,
-                          prompts_per_step, max_completion_length, learning_rate, capacity, output_dir, progress)
+                          prompts_per_step, max_completion_length, learning_rate, capacity, output_dir, progress,
+                          temperature=preset_temperature(model_name))
         records.append({**record, "model": model_name, "task": task or preset_task(model_name)})
         if progress:
             r = records[-1]

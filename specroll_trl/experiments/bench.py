@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from ..engine import SpeculativeGenerator
 from .plots import pyplot, save_figure
-from .zoo import DEFAULT_PRESET, PRETRAINED, load_heads, load_policy, preset_task, task_prompt_ids
+from .zoo import DEFAULT_PRESET, PRETRAINED, load_heads, load_policy, preset_task, preset_temperature, task_prompt_ids
 
 
 def trl_generation_config(model, tokenizer, max_new_tokens: int, temperature: float = 1.0) -> GenerationConfig:
@@ -206,7 +206,7 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
               task: str | None = None, capacity: int | None = None, temperature: float | None = None,
               progress: bool = True) -> list[dict]:
     """GRPOTrainer vs SpecGRPOTrainer, same config and seed, alternating whole runs; one record. ``temperature``
-    defaults to the one the preset's heads were distilled at (0.7 for a pretrained policy, 1.0 for a toy)."""
+    defaults to the one the preset's heads were distilled at (``zoo.preset_temperature``)."""
     from trl import GRPOTrainer
 
     from ..trainer import SpecGRPOConfig, SpecGRPOTrainer
@@ -216,7 +216,7 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
     model_path = str(resolve_policy(model_name, progress=progress))
     heads_path = preset_heads(model_name, progress=progress)
     task = task or preset_task(model_name)
-    temperature = temperature or (0.7 if model_name in PRETRAINED else 1.0)
+    temperature = temperature or preset_temperature(model_name)
     dataset = preset_dataset(model_name, steps * prompts_per_step, seed=123, task=task)
     results = {"vanilla": {"step": [], "gen": [], "reward": []}, "spec": {"step": [], "gen": [], "reward": []}}
     taus = []

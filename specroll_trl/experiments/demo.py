@@ -23,17 +23,18 @@ RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOT
 
 
 DEMO_DEFAULTS = {  # per policy kind: a run that shows the comparison within the main job's time budget
-    "pretrained": dict(steps=3, repeats=1, max_completion_length=128, temperature=0.7, capacity=None,
+    "pretrained": dict(steps=3, repeats=1, max_completion_length=128, capacity=None,
                        trainers=("vanilla", "spec_static")),
-    "toy": dict(steps=8, repeats=2, max_completion_length=256, temperature=1.0, capacity=40,
-                trainers=tuple(RUNS)),
+    "toy": dict(steps=8, repeats=2, max_completion_length=256, capacity=40, trainers=tuple(RUNS)),
 }
 
 
 def demo_defaults(model: str) -> dict:
     from . import zoo
 
-    return dict(DEMO_DEFAULTS["pretrained" if model in zoo.PRETRAINED else "toy"])
+    """The demo's run for ``model``, sampling at the temperature its heads were distilled at."""
+    return {**DEMO_DEFAULTS["pretrained" if model in zoo.PRETRAINED else "toy"],
+            "temperature": zoo.preset_temperature(model)}
 
 
 def run_demo(model: str = "smollm2-135m", heads_path: str | None = None, task: str | None = None, steps: int = 3,

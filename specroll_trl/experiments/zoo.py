@@ -109,6 +109,12 @@ def preset_dataset(preset: str, n: int, seed: int = 321, task: str | None = None
     return chat_task_dataset(task, n, seed=seed) if preset in PRETRAINED else task_dataset(task, n, seed=seed)
 
 
+def preset_temperature(preset: str) -> float:
+    """The sampling temperature a preset's heads are distilled at, so the runs that use them sample at it too
+    (1.0 for a model folder)."""
+    return preset_distill_config(preset).temperature if preset in PRESETS or preset in PRETRAINED else 1.0
+
+
 def preset_heads(preset: str, progress: bool = True) -> str | None:
     """The cached heads folder of a zoo preset (distilled on first use); ``None`` for a model folder."""
     return str(build_heads(preset, progress=progress)) if preset in PRESETS or preset in PRETRAINED else None

@@ -51,7 +51,7 @@ class PretrainedPreset:
     """A pretrained policy built from a GGUF file inside an installed Python package.
 
     Args:
-        name: preset name, also the cache folder name (``<name>-v<ZOO_VERSION>``).
+        name: preset name, also the cache folder name (``<name>-v<PRETRAINED_VERSION>``).
         package: import name of the package holding the GGUF file (located, never imported).
         distribution: its pip / distribution name.
         gguf_file: file name of the GGUF inside the package.

@@ -81,6 +81,7 @@ BENCH_RUNS = {
     "ablation": (dict(steps=30, max_new_tokens=192, prompts_per_step=1),
                  dict(steps=6, max_new_tokens=96, prompts_per_step=1)),
     "reflex": (dict(steps=8, repeats=3, max_new_tokens=192), dict(steps=4, repeats=1, max_new_tokens=128)),
+    "shift": (dict(sft_steps=24, grpo_steps=8), dict(sft_steps=4, grpo_steps=2)),
 }
 
 
@@ -94,12 +95,23 @@ def _bench(args) -> int:
     from .experiments.bench import bench_e2e, bench_generation, bench_reflex, format_table, write_results
 
     run = _bench_settings(args)
+    if args.what == "shift":
+        from .experiments.shift import bench_shift
+
+        records = bench_shift(args.model, moves=tuple(args.moves), sft_steps=run["sft_steps"], sft_lr=args.sft_lr,
+                              grpo_steps=run["grpo_steps"], grpo_lr=args.grpo_lr)
+        if args.out:
+            write_results(records, args.out, plot=False)
+        return 0
     if args.what == "ablation":
         from .experiments.ablation import bench_ablation, format_ablation, plot_ablation
+        from .experiments.zoo import PRETRAINED
 
+        shift = args.shift or ("sft-capitals" if args.model in PRETRAINED else "none")
         records = bench_ablation(args.model, steps=run["steps"], max_completion_length=run["max_new_tokens"],
                                  prompts_per_step=run["prompts_per_step"], capacity=args.capacity,
-                                 learning_rate=args.lr)
+                                 learning_rate=args.lr, variants=tuple(args.variants),
+                                 shift=None if shift == "none" else shift, shift_at=args.shift_at)
         print(format_ablation(records))
         if args.out:
             write_results(records, args.out, plot=False)
@@ -230,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     abl.add_argument("--prompts-per-step", type=int, default=None, help=f"x 8 completions {says('prompts_per_step')}")
     abl.add_argument("--capacity", type=int, default=None, help="C_hw of a fixed node budget (default: online)")
     abl.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate (drives the drift)")
+    abl.add_argument("--shift", default=None, choices=["none", "sft", "sft-capitals"],
+                     help="run every variant on the unmoved policy and on one moved by a short SFT after --shift-at "
+                          "steps (sft: another answer style; sft-capitals: the same in capitals, the default for a "
+                          "pretrained preset); 'none': the run's lr only (the default for toys)")
+    abl.add_argument("--shift-at", type=int, default=2, help="steps before the moved policy is loaded")
+    abl.add_argument("--variants", nargs="+", default=["vanilla", "static", "reflex", "slow", "both", "every_round"],
+                     choices=["vanilla", "static", "reflex", "slow", "both", "every_round"], help="runs, in order")
 
     ref, says = kind("reflex", "Reflex presets vs static heads on stale targets, generation only")
     ref.add_argument("--steps", type=int, default=None, help=f"GRPO steps that make the heads stale {says('steps')}")
@@ -241,6 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     ref.add_argument("--variants", nargs="+", default=None,
                      help="Reflex presets to compare with static heads (specroll_trl.adapt.reflex.REFLEX_PRESETS; "
                           "default: baseline lookup)")
+
+    shift, says = kind("shift", "how far a moved policy is from its base: KL, and tau of the base's heads on both")
+    shift.add_argument("--moves", nargs="+", default=["sft", "sft-capitals"], choices=["sft", "sft-capitals", "grpo"],
+                       help="sft: a short SFT toward another answer style; sft-capitals: the same in capitals "
+                            "(a vocabulary shift); grpo: plain GRPO on the preset's task")
+    shift.add_argument("--sft-steps", type=int, default=None, help=f"SFT steps (8 rows each) {says('sft_steps')}")
+    shift.add_argument("--sft-lr", type=float, default=1e-4, help="SFT learning rate")
+    shift.add_argument("--grpo-steps", type=int, default=None,
+                       help=f"GRPO steps (4 prompts x 8 completions) {says('grpo_steps')}")
+    shift.add_argument("--grpo-lr", type=float, default=5e-5, help="GRPO learning rate")
 
     export = sub.add_parser("export-vllm", help="write heads as a vLLM Medusa speculator (config.json + safetensors)")
     export.add_argument("--heads", required=True, help="heads folder (e.g. a checkpoint's spec_heads/)")

@@ -392,11 +392,12 @@ class SpecGRPOTrainer(GRPOTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
         # The heads are read and validated first: a corrupted checkpoint is refused before anything is loaded.
         folder = os.path.join(resume_from_checkpoint, HEADS_SUBDIR)
-        loaded = None
+        loaded = draft_ids = None
         if self.spec_heads is not None and os.path.isdir(folder):
             try:
                 if is_peft_wrapped(self.spec_heads):
                     loaded = read_adapter_state(folder)
+                    draft_ids = SpeculativeHeads.from_pretrained(folder).draft_ids  # outside the adapter
                 else:
                     loaded = SpeculativeHeads.from_pretrained(folder)
                     loaded.check_compatible(self._policy_for_heads())
@@ -412,7 +413,7 @@ class SpecGRPOTrainer(GRPOTrainer):
                           "current speculative heads", stacklevel=2)
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         if isinstance(loaded, dict):
-            apply_adapter_state(self.spec_heads, loaded)
+            apply_adapter_state(self.spec_heads, loaded, draft_ids)
         elif loaded is not None:
             self.spec_heads.load_state_dict(loaded.state_dict())
         state = os.path.join(folder, CONSOLIDATION_STATE)

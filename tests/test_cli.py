@@ -78,6 +78,7 @@ SINKS = {  # where the handlers hand their settings: replaced by recorders, so n
     "specroll_trl.experiments.bench": ["bench_generation", "bench_e2e", "bench_reflex", "write_results",
                                        "format_table"],
     "specroll_trl.experiments.ablation": ["bench_ablation", "format_ablation", "plot_ablation"],
+    "specroll_trl.experiments.shift": ["bench_shift"],
     "specroll_trl.experiments.demo": ["run_demo", "format_summary"],
     "specroll_trl.experiments.zoo": ["load_policy", "resolve_policy", "build_heads", "task_examples",
                                      "evaluate_policy", "task_prompt_ids"],

@@ -19,9 +19,9 @@ from specroll_trl import (
     SpeculativeHeads,
 )
 from specroll_trl.adapt.buffer import BufferCapture, HeadBuffer
-from specroll_trl.adapt.consolidation import ConsolidationConfig, consolidate_heads
+from specroll_trl.adapt.consolidation import ConsolidationConfig, consolidate_heads, refresh_draft_vocab
 from specroll_trl.experiments import zoo
-from specroll_trl.experiments.bench import perturbed_policy
+from specroll_trl.experiments.shift import perturbed_policy
 
 from .conftest import left_padded, make_model
 from .test_engine import nano_sampling_inputs, noisy_heads
@@ -35,19 +35,47 @@ def feed(monitor, series):
 
 
 def test_monitor_fires_on_a_sustained_drop_and_not_on_isolated_dips():
-    monitor = DriftMonitor(2, delta=0.05, patience=3, cooldown=4, smoothing=0.5)
-    steady_with_dips = [0.6, 0.6, 0.6, 0.35, 0.6, 0.6, 0.6, 0.35, 0.6, 0.6, 0.35, 0.6, 0.6]
+    monitor = DriftMonitor(2, delta=0.05, patience=2, cooldown=4, window=3)
+    steady_with_dips = [0.6, 0.6, 0.6, 0.5, 0.6, 0.6, 0.6, 0.5, 0.6, 0.6, 0.5, 0.6, 0.6]  # tau 2.2, dips to 2.0
     assert not any(feed(monitor, steady_with_dips))
-    fired = feed(monitor, [0.4] * 8)
-    # three drifted windows in a row fire; the cooldown keeps it quiet for 4 windows, then (no re-fit happened
-    # in between) the still-drifted heads fire again
+    fired = feed(monitor, [0.5] * 10)  # tau 2.0: 9% down
+    # the block mean crosses 5% at the second low window; two drifted windows in a row fire; the cooldown keeps it
+    # quiet for 4 windows, then (no re-fit happened in between) the still-drifted heads fire again
     assert [i for i, f in enumerate(fired) if f] == [2, 7]
+    assert monitor.drop() == pytest.approx(1 - 2.0 / 2.2)
     monitor.reset_reference()
-    assert not any(feed(monitor, [0.4] * 6))  # the new level is the new reference
+    assert not any(feed(monitor, [0.5] * 6))  # the new level is the new reference
+
+
+def replayed_rounds(seed: int, rounds: int, tau_drop: float, at: int = 10, drafted: int = 300):
+    """Per-round acceptance per depth as ``BufferCapture`` reports it: SmolLM2's measured full-tree acceptance
+    (``benchmarks/shift_smollm2.json``, base policy: 51 / 20 / 6 / 1%), each round a binomial draw over ``drafted``
+    row-steps, scaled down from round ``at`` on so that tau falls by ``tau_drop`` (relative)."""
+    gen = torch.Generator().manual_seed(seed)
+    rates = torch.tensor([0.51, 0.20, 0.06, 0.01])
+    low = rates * (1 - tau_drop * (1 + rates.sum()) / rates.sum())
+    return [(torch.binomial(torch.full((4,), float(drafted)), rates if i < at else low, generator=gen)
+             / drafted).tolist() for i in range(rounds)]
+
+
+def first_fire(config: ConsolidationConfig, rounds) -> int | None:
+    monitor = DriftMonitor(4, config.delta, config.delta_r, config.patience, config.cooldown, config.window)
+    return next((i for i, accept in enumerate(rounds) if monitor.update(accept)), None)
+
+
+def test_default_trigger_fires_on_a_real_tau_drop_and_stays_quiet_on_noise():
+    config = ConsolidationConfig()
+    steady = [first_fire(config, replayed_rounds(seed, 40, 0.0)) for seed in range(10)]
+    assert steady == [None] * 10
+    eight = [first_fire(config, replayed_rounds(seed, 40, 0.08)) for seed in range(10)]
+    assert all(f is not None and 10 <= f <= 16 for f in eight), eight
+    five = [first_fire(config, replayed_rounds(seed, 40, 0.05)) for seed in range(10)]
+    assert sum(f is not None and 10 <= f <= 22 for f in five) >= 9, five
+    assert first_fire(config, replayed_rounds(0, 40, 0.5, drafted=50)) <= 13  # a collapse is caught at any noise
 
 
 def test_monitor_fires_on_regret_and_skips_empty_windows():
-    monitor = DriftMonitor(1, delta_r=0.1, patience=2, cooldown=0, smoothing=0.0)
+    monitor = DriftMonitor(1, delta_r=0.1, patience=2, cooldown=0, window=1)
     assert not monitor.update(None, [0.2])
     assert not monitor.update([math.nan], None)  # a round that drafted nothing is no evidence
     assert not monitor.update(None, [0.35])
@@ -62,9 +90,9 @@ def test_monitor_state_round_trips_and_rejects_bad_values():
     assert clone.state_dict() == monitor.state_dict()
     assert clone.update([0.5, 0.5]) == monitor.update([0.5, 0.5])
     with pytest.raises(ValueError, match="heads"):
-        clone.load_state_dict({"accept": [0.1]})
+        clone.load_state_dict({"regrets": [[0.1]]})
     for bad in (dict(num_heads=0), dict(num_heads=1, delta=0), dict(num_heads=1, patience=0),
-                dict(num_heads=1, smoothing=1.0)):
+                dict(num_heads=1, window=0)):
         with pytest.raises(ValueError):
             DriftMonitor(**bad)
     with pytest.raises(ValueError, match="trigger"):
@@ -205,6 +233,57 @@ def test_nan_or_an_exception_restores_the_heads(monkeypatch):
     assert not consolidate_heads(heads, model.lm_head, HeadBuffer(8, 2, 32, 4)).ok  # empty buffer: skipped
 
 
+def test_vocab_refresh_swaps_unused_draft_tokens_for_frequent_missing_ones():
+    model = make_model(vocab=32, hidden=32)
+    heads = SpeculativeHeads.from_model(model, num_heads=2, draft_ids=list(range(10)))
+    tokens = torch.tensor([*range(8)] * 3 + [20] * 5 + [21] * 3 + [25])  # 8, 9 unused; 25 seen once
+    assert refresh_draft_vocab(heads, model.lm_head, tokens, max_share=0.5) == 2
+    assert sorted(heads.draft_ids.tolist()) == [*range(8), 20, 21]
+    assert refresh_draft_vocab(heads, model.lm_head, tokens, max_share=0.5) == 0  # nothing left worth swapping
+    assert refresh_draft_vocab(heads, model.lm_head, torch.tensor([30] * 9), max_share=0.1) == 1  # the cap: 1 of 10
+    assert 30 in heads.draft_ids.tolist() and len(set(heads.draft_ids.tolist())) == 10
+    assert refresh_draft_vocab(SpeculativeHeads.from_model(model, 2), model.lm_head, tokens, 0.5) == 0  # no draft vocab
+
+
+def test_consolidation_brings_tokens_the_policy_now_emits_into_the_draft_vocabulary():
+    model = make_model(vocab=32, hidden=32)
+    buffer = filled_buffer(model)
+    n = len(buffer)
+    buffer.tokens[:n, 0] = torch.tensor([20, 21, 22, 23, 24, 25, 26, 27, 0, 1])[torch.arange(n) % 10]
+    ids = list(range(10))  # 2..9 never realised; 20..27 realised but not proposable
+    heads = SpeculativeHeads.from_model(model, num_heads=2, draft_ids=ids)
+    report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(steps=30, lr=1e-2, min_buffer=1,
+                                                                                 vocab_refresh=0.5))
+    assert report.ok and report.vocab_swapped == 5  # the cap: half of 10 ids
+    kept = set(heads.draft_ids.tolist())
+    assert {0, 1} <= kept and len(kept & set(range(20, 28))) == 5 and len(kept) == 10
+    fixed = SpeculativeHeads.from_model(model, num_heads=2, draft_ids=ids)
+    report = consolidate_heads(fixed, model.lm_head, buffer, ConsolidationConfig(steps=5, min_buffer=1,
+                                                                                 vocab_refresh=0.0))
+    assert report.vocab_swapped == 0 and fixed.draft_ids.tolist() == ids
+    kept = heads.draft_ids.clone()
+    buffer.hidden[: len(buffer)] = float("nan")  # a failed re-fit puts the old vocabulary back too
+    report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(steps=5, min_buffer=1,
+                                                                                 vocab_refresh=1.0))
+    assert not report.ok and torch.equal(heads.draft_ids, kept)
+
+
+def test_peft_heads_checkpoint_keeps_a_refreshed_draft_vocabulary(tmp_path):
+    from specroll_trl.engine.heads import apply_adapter_state, read_adapter_state, save_heads
+
+    model = make_model(vocab=32, hidden=32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["linear"])
+    heads = get_peft_model(SpeculativeHeads.from_model(model, num_heads=2, draft_ids=list(range(10))), config)
+    assert refresh_draft_vocab(heads, model.lm_head, torch.tensor([20] * 5), max_share=0.5) == 1
+    save_heads(heads, tmp_path / "ckpt")
+    fresh = get_peft_model(SpeculativeHeads.from_model(model, num_heads=2, draft_ids=list(range(10))), config)
+    apply_adapter_state(fresh, read_adapter_state(tmp_path / "ckpt"),
+                        SpeculativeHeads.from_pretrained(tmp_path / "ckpt").draft_ids)
+    assert torch.equal(fresh.draft_ids, heads.draft_ids) and 20 in fresh.draft_ids.tolist()
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        apply_adapter_state(fresh, read_adapter_state(tmp_path / "ckpt"), torch.arange(5))
+
+
 def random_target_buffer(seed=0, n=600, vocab=32, hidden=32, heads=2, topk=4):
     """Tuples whose targets have nothing to do with their hidden states: only memorisable."""
     gen = torch.Generator().manual_seed(seed)
@@ -317,9 +396,9 @@ def test_trainer_with_peft_heads_saves_merged_heads_and_adapter(nano, tmp_path, 
 def test_every_consolidation_field_is_reachable_from_the_trainer_config(tmp_path):
     from specroll_trl import SpecGRPOConfig
 
-    chosen = dict(trigger="every_round", delta=0.1, delta_r=0.2, patience=2, cooldown=1, smoothing=0.5,
+    chosen = dict(trigger="every_round", delta=0.1, delta_r=0.2, patience=2, cooldown=1, window=3,
                   buffer_size=1000, buffer_topk=4, min_buffer=10, steps=3, max_seconds=5.0, batch_size=32, lr=1e-3,
-                  lambda_nll=0.1, mu=0.5, holdout_fraction=0.2)
+                  lambda_nll=0.1, mu=0.5, vocab_refresh=0.3, holdout_fraction=0.2)
     assert set(chosen) | {"seed"} == {f.name for f in dataclasses.fields(ConsolidationConfig)}
     args = SpecGRPOConfig(output_dir=str(tmp_path), bf16=False, seed=7, spec_consolidation=True,
                           spec_consolidation_kwargs=chosen)

@@ -5,6 +5,9 @@ heads are PEFT-wrapped; the backbone and ``lm_head`` are read, never updated),
 ``sum_d [KL(p_d || q_d) + lambda_nll * CE(x_{t+1+d})] + mu * ||theta - theta_anchor||^2``, where ``p_d`` is the
 captured top-K target distribution and ``theta_anchor`` the parameters when the update starts. It is bounded
 in steps and seconds; on NaN, an exception or out-of-memory it restores the previous heads and reports why.
+Heads with a draft vocabulary first refresh it (``refresh_draft_vocab``): tokens the policy now emits that the heads
+cannot propose replace draft tokens it no longer uses. The loss only touches the draft vocabulary's rows of
+``lm_head``, never a softmax over the whole vocabulary.
 
 ``ConsolidationCallback`` wires a ``BufferCapture`` (an engine hook filling a ``HeadBuffer``), a ``DriftMonitor``
 and ``consolidate_heads`` into any Trainer loop: at ``on_step_end`` it reads the rounds the capture saw and
@@ -22,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from ..engine.heads import VocabProjection
+from ..engine.heads import VocabProjection, lm_head_shape
 from .buffer import BufferCapture, HeadBuffer
 from .drift import DriftMonitor
 
@@ -42,12 +45,17 @@ class ConsolidationConfig:
                           "generation round, the FastGRPO-style always-train baseline)."},
     )
     delta: float = field(
-        default=0.08, metadata={"help": "acceptance drop that counts as drift (``DriftMonitor.delta``)."})
-    delta_r: float = field(default=0.08, metadata={"help": "candidate-regret rise that counts as drift."})
-    patience: int = field(default=3, metadata={"help": "consecutive drifted rounds before consolidating."})
-    cooldown: int = field(default=5, metadata={"help": "rounds ignored after a consolidation."})
-    smoothing: float = field(default=0.8, metadata={"help": "EMA factor of the monitored per-round values."})
-    buffer_size: int = field(default=16384, metadata={"help": "tuples kept in the ring buffer."})
+        default=0.05,
+        metadata={"help": "relative drop of tau (mean accepted length of drafted steps, averaged over ``window`` "
+                          "rounds) below its best since the last re-fit that counts as drift (0.05: 5%)."})
+    delta_r: float = field(default=0.08, metadata={"help": "candidate-regret rise (absolute) that counts as drift."})
+    patience: int = field(default=2, metadata={"help": "consecutive drifted rounds before consolidating."})
+    cooldown: int = field(default=3, metadata={"help": "rounds ignored after a consolidation."})
+    window: int = field(default=4, metadata={"help": "rounds averaged into each monitored value (block mean)."})
+    buffer_size: int = field(
+        default=4096,
+        metadata={"help": "tuples kept in the ring buffer (newest first: about 4 rounds of 8 rows x 128 tokens, so "
+                          "tuples from before a shift age out quickly)."})
     buffer_topk: int = field(default=8, metadata={"help": "target probabilities kept per tuple and head."})
     min_buffer: int = field(default=2048, metadata={"help": "do not consolidate on fewer tuples than this."})
     steps: int = field(default=60, metadata={"help": "optimiser steps per consolidation."})
@@ -56,6 +64,12 @@ class ConsolidationConfig:
     lr: float = field(default=3e-3, metadata={"help": "Adam learning rate."})
     lambda_nll: float = field(default=0.5, metadata={"help": "weight of cross-entropy on the realised token."})
     mu: float = field(default=0.01, metadata={"help": "weight of the proximal term ``||theta - theta_anchor||^2``."})
+    vocab_refresh: float = field(
+        default=0.1,
+        metadata={"help": "with a draft vocabulary: at most this share of it is swapped, per consolidation, for tokens "
+                          "the buffer's targets emit that it lacks (each seen at least twice and more often than the "
+                          "draft token it replaces). 0 keeps the vocabulary fixed."},
+    )
     holdout_fraction: float = field(
         default=0.1,
         metadata={"help": "share of the buffer kept out of the re-fit; the new heads are kept only if their loss on it "
@@ -73,11 +87,13 @@ class ConsolidationConfig:
         for name in ("max_seconds", "lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"consolidation {name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.vocab_refresh <= 1:
+            raise ValueError(f"consolidation vocab_refresh must be in [0, 1], got {self.vocab_refresh}")
         if not 0 <= self.holdout_fraction < 1:
             raise ValueError(f"consolidation holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
         if self.lambda_nll < 0 or self.mu < 0:
             raise ValueError(f"lambda_nll and mu must be >= 0, got {self.lambda_nll} and {self.mu}")
-        DriftMonitor(1, self.delta, self.delta_r, self.patience, self.cooldown, self.smoothing)  # validates those
+        DriftMonitor(1, self.delta, self.delta_r, self.patience, self.cooldown, self.window)  # validates those
 
 
 @dataclass
@@ -95,6 +111,7 @@ class ConsolidationReport:
     param_step: float = 0.0
     heldout_before: float = math.nan
     heldout_after: float = math.nan
+    vocab_swapped: int = 0
     reason: str = ""
 
 
@@ -113,6 +130,26 @@ def consolidation_loss(heads, projection: VocabProjection, batch, lambda_nll: fl
     return ((kl + lambda_nll * nll) * weight).sum() / weight.sum().clamp(min=1)
 
 
+def refresh_draft_vocab(heads, lm_head: torch.nn.Module, tokens: torch.Tensor, max_share: float) -> int:
+    """Swap, in place, up to ``max_share`` of ``heads.draft_ids`` for realised ``tokens`` (target ids) it lacks: the
+    most frequent missing ones (seen at least twice) replace the draft ids seen least, pair by pair while the
+    newcomer is the more frequent. Returns how many were swapped (0 without a draft vocabulary)."""
+    ids = heads.draft_ids
+    if ids is None or max_share <= 0 or tokens.numel() == 0:
+        return 0
+    counts = torch.bincount(tokens.flatten().cpu(), minlength=lm_head_shape(lm_head)[0])
+    missing = counts.clone()
+    missing[ids.cpu()] = 0
+    k = min(int(max_share * len(ids)), int((missing >= 2).sum()))
+    if k == 0:
+        return 0
+    new_count, new_ids = missing.topk(k)
+    old_count, old_slots = counts[ids.cpu()].topk(k, largest=False)
+    swap = new_count > old_count  # both sorted: the i-th most frequent newcomer against the i-th least used
+    ids[old_slots[swap].to(ids.device)] = new_ids[swap].to(ids.device)
+    return int(swap.sum())
+
+
 def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: HeadBuffer,
                       config: ConsolidationConfig | None = None) -> ConsolidationReport:
     """Re-fit ``heads``' trainable parameters on ``buffer``; restore them if anything goes wrong."""
@@ -124,15 +161,17 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
     if len(buffer) < config.min_buffer:
         return ConsolidationReport(False, skipped=True,
                                    reason=f"buffer holds {len(buffer)} tuples, fewer than {config.min_buffer}")
-    backup = {k: v.detach().clone() for k, v in heads.state_dict().items()}
+    backup = {k: v.detach().clone() for k, v in heads.state_dict().items()}  # draft_ids included
     anchor = [p.detach().clone() for p in params]
-    projection = heads.projection(lm_head)  # the shared lm_head: read, never updated
     weight = lm_head.weight
     device = weight.device
     generator = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(buffer), generator=generator)
     cut = int(len(buffer) * config.holdout_fraction)
     held, train = order[:cut], order[cut:]
+    realised = buffer.tokens[train, 0][buffer.valid[train, 0]]  # head 1's targets: each committed token once
+    swapped = refresh_draft_vocab(heads, lm_head, realised, config.vocab_refresh)
+    projection = heads.projection(lm_head)  # the shared lm_head: read, never updated
 
     def on_device(batch):
         batch = [t.to(device) for t in batch]
@@ -146,7 +185,7 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
     optimizer = torch.optim.Adam(params, lr=config.lr)
     was_training = heads.training
     heads.train()
-    report = ConsolidationReport(True)
+    report = ConsolidationReport(True, vocab_swapped=swapped)
     try:
         if len(held):
             report.heldout_before = heldout_loss()
@@ -212,7 +251,7 @@ class ConsolidationCallback(TrainerCallback):
         self.heads, self.lm_head = heads, lm_head
         self.log = log or (lambda metrics: None)
         num_heads = heads.num_heads
-        self.monitor = DriftMonitor(num_heads, c.delta, c.delta_r, c.patience, c.cooldown, c.smoothing)
+        self.monitor = DriftMonitor(num_heads, c.delta, c.delta_r, c.patience, c.cooldown, c.window)
         self.buffer = HeadBuffer(c.buffer_size, num_heads, lm_head.weight.shape[1], c.buffer_topk)
         self.capture = BufferCapture(self.buffer)
         self.pending = False
@@ -255,7 +294,8 @@ class ConsolidationCallback(TrainerCallback):
                    "spec/consolidation_rejected": float(self.rejected)}
         if report.ok:
             metrics.update({"spec/consolidation_loss_before": report.loss_before,
-                            "spec/consolidation_loss_after": report.loss_after})
+                            "spec/consolidation_loss_after": report.loss_after,
+                            "spec/consolidation_vocab_swapped": float(report.vocab_swapped)})
         self.log(metrics)
         return control
 

@@ -284,9 +284,16 @@ def read_adapter_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def apply_adapter_state(heads: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def apply_adapter_state(heads: nn.Module, state: dict[str, torch.Tensor],
+                        draft_ids: torch.Tensor | None = None) -> None:
+    """Load adapter weights into PEFT-wrapped heads, and ``draft_ids`` (the merged checkpoint's: the slow path may
+    have refreshed the draft vocabulary, which lives outside the adapter)."""
     from peft import set_peft_model_state_dict
 
     result = set_peft_model_state_dict(heads, state)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"adapter checkpoint does not match the heads' adapters: unexpected {result.unexpected_keys}")
+    if draft_ids is not None and heads.draft_ids is not None:
+        if draft_ids.shape != heads.draft_ids.shape:
+            raise ValueError(f"checkpoint draft vocabulary has {len(draft_ids)} ids, the heads {len(heads.draft_ids)}")
+        heads.draft_ids.copy_(draft_ids)

@@ -256,55 +256,35 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
     }]
 
 
-def drifted_policy(model_name: str, grpo_steps: int, lr: float = 5e-5, progress: bool = True) -> str:
-    """The policy after ``grpo_steps`` of plain GRPO on its task (cached): its zoo heads are now stale."""
-    from trl import GRPOConfig, GRPOTrainer
+def capture_hooks(heads) -> list:
+    """The slow path's capture hook alone, with ``ConsolidationConfig``'s default buffer (the ``capture`` variant)."""
+    from ..adapt.buffer import BufferCapture, HeadBuffer
+    from ..adapt.consolidation import ConsolidationConfig
 
-    from .rewards import REWARD_FUNCS
-    from .tasks import make_arithmetic_task
-    from .zoo import resolve_policy, zoo_home
-
-    out = zoo_home() / "drifted" / f"{model_name}-grpo{grpo_steps}-lr{lr:g}"
-    if (out / "config.json").is_file():
-        return str(out)
-    args = GRPOConfig(output_dir=str(out) + ".run", max_steps=grpo_steps, num_generations=8,
-                      per_device_train_batch_size=32, max_completion_length=192, learning_rate=lr, logging_steps=1,
-                      report_to="none", bf16=False, save_strategy="no", seed=0, disable_tqdm=not progress,
-                      beta=0.0)
-    trainer = GRPOTrainer(model=str(resolve_policy(model_name)), reward_funcs=REWARD_FUNCS, args=args,
-                          train_dataset=make_arithmetic_task(grpo_steps * 4, seed=99))
-    trainer.train()
-    trainer.save_model(str(out))
-    trainer.processing_class.save_pretrained(str(out))
-    return str(out)
-
-
-def perturbed_policy(model, scale: float = 0.05, seed: int = 0):
-    """A copy of ``model`` whose last MLP output projection got Gaussian noise: a persistent local mismatch."""
-    import copy
-
-    target = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    weight = target.model.layers[-1].mlp.down_proj.weight
-    with torch.no_grad():
-        weight.add_(torch.randn(weight.shape, generator=gen) * scale * weight.std())
-    return target
+    c = ConsolidationConfig()
+    return [BufferCapture(HeadBuffer(c.buffer_size, heads.num_heads, heads.config.hidden_size, c.buffer_topk))]
 
 
 def bench_reflex(model_name: str = DEFAULT_PRESET, grpo_steps: int = 8, batch_size: int = 8, repeats: int = 3,
                  max_new_tokens: int = 192, max_nodes: int = 16, capacity: int | None = None,
                  progress: bool = True, variants: Sequence[str] | None = None, group: int = 1) -> list[dict]:
-    """Reflex off vs on with stale heads: on a GRPO-drifted policy and on a perturbed target (alternating).
+    """Reflex off vs on with stale heads, generation only (alternating): on a moved policy (a pretrained preset:
+    ``shift.moved_policy(model, "sft-capitals")``; a toy: ``grpo_steps`` of GRPO), on a perturbed target and on
+    the fresh one.
 
     ``variants``: Reflex presets (``specroll_trl.adapt.reflex.REFLEX_PRESETS``) compared with static heads
-    (default: ``baseline`` and ``lookup``; ``static``, no hooks, always runs); ``group``: generations per prompt in
-    the batch (GRPO's ``num_generations``)."""
+    (default: ``baseline`` and ``lookup``; ``static``, no hooks, always runs), and ``capture`` (the slow path's
+    buffer capture alone, for its overhead); ``group``: generations per prompt in the batch (GRPO's
+    ``num_generations``)."""
     from ..adapt.reflex import reflex_hooks
+    from .shift import drifted_policy, moved_policy
 
     variants = [v for v in dict.fromkeys(variants or ("baseline", "lookup")) if v != "static"]
-    for variant in variants:
+    for variant in (v for v in variants if v != "capture"):
         reflex_hooks(variant)  # an unknown preset fails here, not after the drift run
-    drifted = drifted_policy(model_name, grpo_steps)  # trains (needs gradients); the rest only generates
+    # trains (needs gradients); the rest only generates
+    drifted = (moved_policy(model_name, "sft-capitals")[0] if model_name in PRETRAINED
+               else drifted_policy(model_name, grpo_steps))
     with torch.no_grad():
         return _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes,
                                   capacity, progress, variants, group)
@@ -315,27 +295,30 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
     from transformers import AutoModelForCausalLM
 
     from ..adapt.reflex import reflex_hooks
+    from .shift import perturbed_policy
 
     base, tokenizer = load_policy(model_name, progress=progress)
     heads = load_heads(model_name, progress=progress)
+    moved = "sft-capitals" if model_name in PRETRAINED else f"grpo{grpo_steps}"
     targets = {
-        f"grpo{grpo_steps}": AutoModelForCausalLM.from_pretrained(drifted).eval(),
+        moved: AutoModelForCausalLM.from_pretrained(drifted).eval(),
         "perturbed": perturbed_policy(base, scale=1.0),
         "fresh": base,
     }
-    prompts = task_prompt_ids(tokenizer, preset_task(model_name),
-                              max(1, batch_size // group), seed=777)
+    prompts = task_prompt_ids(tokenizer, preset_task(model_name), max(1, batch_size // group), seed=777,
+                              conversational=model_name in PRETRAINED)
     prompts = [p for p in prompts for _ in range(group)][:batch_size]
     ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
     records = []
     for target_name, model in targets.items():
-        gc = trl_generation_config(model, tokenizer, max_new_tokens)
+        gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature=preset_temperature(model_name))
         runs = {"vanilla": [], "static": [], **{name: [] for name in variants}}
         for r in range(repeats):
             torch.manual_seed(r)
             runs["vanilla"].append({"seconds": _vanilla(model, ids, mask, gc)[0]})
             for variant in ("static", *variants):
-                hooks = reflex_hooks(variant) if variant != "static" else None
+                hooks = None if variant == "static" else capture_hooks(heads) if variant == "capture" else \
+                    reflex_hooks(variant)
                 engine = SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity, hooks=hooks)
                 torch.manual_seed(r)
                 runs[variant].append(engine.generate(ids, mask).stats)
@@ -351,7 +334,8 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
                                     for d in range(heads.num_heads)],
                 "generation_s": gen_s, "total_s": gen_s, "vanilla_s": vanilla_s,
                 "speedup_vs_vanilla": vanilla_s / gen_s, "speedup_vs_static": static_s / gen_s,
-                "reflex_overhead_share": statistics.median(s.get("reflex_seconds", 0.0) / s["seconds"] for s in stats),
+                **{f"{hook}_overhead_share": statistics.median(s.get(f"{hook}_seconds", 0.0) / s["seconds"]
+                                                               for s in stats) for hook in ("reflex", "capture")},
                 "reflex_gate": statistics.mean(s.get("reflex_gate", 0.0) for s in stats),
                 "reflex_lookup_hit": statistics.mean(s.get("reflex_lookup_hit", 0.0) for s in stats),
                 "tau_vs_static": statistics.mean(s["tau"] / b["tau"] for s, b in zip(stats, runs["static"])) - 1,

@@ -81,7 +81,7 @@ BENCH_RUNS = {
     "ablation": (dict(steps=30, max_new_tokens=192, prompts_per_step=1),
                  dict(steps=6, max_new_tokens=96, prompts_per_step=1)),
     "reflex": (dict(steps=8, repeats=3, max_new_tokens=192), dict(steps=4, repeats=1, max_new_tokens=128)),
-    "shift": (dict(sft_steps=24, grpo_steps=8), dict(sft_steps=4, grpo_steps=2)),
+    "shift": (dict(sft_steps=24, grpo_steps=6), dict(sft_steps=4, grpo_steps=2)),
 }
 
 
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     shift.add_argument("--sft-steps", type=int, default=None, help=f"SFT steps (8 rows each) {says('sft_steps')}")
     shift.add_argument("--sft-lr", type=float, default=1e-4, help="SFT learning rate")
     shift.add_argument("--grpo-steps", type=int, default=None,
-                       help=f"GRPO steps (4 prompts x 8 completions) {says('grpo_steps')}")
+                       help=f"GRPO steps (2 prompts x 8 completions of up to 128 tokens) {says('grpo_steps')}")
     shift.add_argument("--grpo-lr", type=float, default=5e-5, help="GRPO learning rate")
 
     export = sub.add_parser("export-vllm", help="write heads as a vLLM Medusa speculator (config.json + safetensors)")

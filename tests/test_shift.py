@@ -59,3 +59,26 @@ def test_measure_shift_reports_kl_and_the_heads_acceptance_on_both_policies(nano
     assert record["tau_drop"] == pytest.approx(1 - record["moved_tau"] / record["base_tau"])
     assert len(record["moved_candidate_regret"]) == len(record["base_accept_per_head"]) == 4
     assert record["completion_tokens"] > 0
+
+
+def test_ablation_refuses_bad_shift_settings_before_loading_anything():
+    from specroll_trl.experiments.ablation import bench_ablation
+
+    with pytest.raises(ValueError, match="unknown shift"):
+        bench_ablation("smollm2-135m", shift="rlhf")
+    with pytest.raises(ValueError, match="pretrained chat preset"):
+        bench_ablation("tiny", shift="sft")
+    with pytest.raises(ValueError, match="shift_at"):
+        bench_ablation("smollm2-135m", steps=4, shift="sft-capitals", shift_at=4)
+    with pytest.raises(ValueError, match="unknown ablation variants"):
+        bench_ablation("smollm2-135m", variants=("static", "turbo"))
+
+
+def test_moved_policy_and_sft_refuse_unknown_moves_and_styles():
+    from specroll_trl.experiments.shift import STYLES, moved_policy, sft_policy
+
+    with pytest.raises(ValueError, match="unknown move"):
+        moved_policy("smollm2-135m", "dpo")
+    with pytest.raises(ValueError, match="unknown SFT style"):
+        sft_policy("smollm2-135m", style="haiku")
+    assert STYLES["capitals"]("A <<1+1=2>>2.\n#### 2") == "STEP 1: A 2.\n#### 2"

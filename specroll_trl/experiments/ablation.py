@@ -2,7 +2,7 @@
 
 One GRPO run per variant, same config, seed and prompts, with heads distilled on the starting policy. The
 policy moves away from them either through the run's learning rate or, with ``shift``, all at once: after
-``shift_at`` steps a ``PolicySwitch`` loads a moved policy's weights (``shift.sft_policy``) into the model being
+``shift_at`` steps a ``PolicySwitch`` loads a moved policy's weights (``shift.moved_policy``) into the model being
 trained, the same in every variant. With a shift, every variant runs twice: on the ``moved`` policy and on the
 ``unmoved`` one (no switch).
 

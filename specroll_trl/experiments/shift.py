@@ -92,14 +92,16 @@ def sft_policy(model_name: str, steps: int = 24, lr: float = 1e-4, batch_size: i
     return str(out)
 
 
-def drifted_policy(model_name: str, grpo_steps: int, lr: float = 5e-5, prompts_per_step: int = 4,
-                   max_completion_length: int = 192, progress: bool = True) -> str:
-    """The policy after ``grpo_steps`` of plain GRPO on its task (cached): its zoo heads are now stale."""
+def drifted_policy(model_name: str, grpo_steps: int, lr: float = 5e-5, prompts_per_step: int = 2,
+                   max_completion_length: int = 128, progress: bool = True) -> str:
+    """The policy after ``grpo_steps`` of plain GRPO on its task (cached), ``prompts_per_step`` x 8 completions of up
+    to ``max_completion_length`` tokens per step: its zoo heads may now be stale."""
     from trl import GRPOConfig, GRPOTrainer
 
     from .rewards import REWARD_FUNCS
 
-    out = zoo_home() / "drifted" / f"{model_name}-grpo{grpo_steps}-lr{lr:g}"
+    name = f"{model_name}-grpo{grpo_steps}-lr{lr:g}-{8 * prompts_per_step}x{max_completion_length}"
+    out = zoo_home() / "drifted" / name
     if (out / "config.json").is_file():
         return str(out)
     args = GRPOConfig(output_dir=str(out) + ".run", max_steps=grpo_steps, num_generations=8,
@@ -188,7 +190,8 @@ def measure_shift(model_name: str, moved_path: str, num_prompts: int = 8, max_ne
         refitted = copy.deepcopy(heads)
         report = consolidate_heads(refitted, moved.get_output_embeddings(), buffer,
                                    dataclasses.replace(config, min_buffer=min(config.min_buffer, len(buffer))))
-        record.update({"refit_tuples": len(buffer), "refit_seconds": report.seconds, "refit_ok": report.ok,
+        record.update({"refit_tuples": len(buffer), "refit_seconds": report.seconds, "refit_steps": report.steps,
+                       "refit_ok": report.ok,
                        "refit_vocab_swapped": report.vocab_swapped, "refit_heldout_before": report.heldout_before,
                        "refit_heldout_after": report.heldout_after, "refit_reason": report.reason})
         measured["refit"] = (moved, refitted)
@@ -213,7 +216,7 @@ def measure_shift(model_name: str, moved_path: str, num_prompts: int = 8, max_ne
 MOVES = ("sft", "sft-capitals", "grpo")
 
 
-def moved_policy(model_name: str, move: str, sft_steps: int = 24, sft_lr: float = 1e-4, grpo_steps: int = 8,
+def moved_policy(model_name: str, move: str, sft_steps: int = 24, sft_lr: float = 1e-4, grpo_steps: int = 6,
                  grpo_lr: float = 5e-5, progress: bool = True) -> tuple[str, dict]:
     """``(folder, settings)`` of a move in ``MOVES``: ``"sft"`` / ``"sft-capitals"`` (``sft_policy`` in the
     step-lines / capitals style) or ``"grpo"`` (``drifted_policy``); built on first use, then cached."""
@@ -227,7 +230,7 @@ def moved_policy(model_name: str, move: str, sft_steps: int = 24, sft_lr: float 
 
 
 def bench_shift(model_name: str, moves: tuple[str, ...] = ("sft",), sft_steps: int = 24, sft_lr: float = 1e-4,
-                grpo_steps: int = 8, grpo_lr: float = 5e-5, progress: bool = True) -> list[dict]:
+                grpo_steps: int = 6, grpo_lr: float = 5e-5, progress: bool = True) -> list[dict]:
     """One ``measure_shift`` record per move of ``MOVES`` (``moved_policy``), with the seconds the move took (about 0
     when it came from the cache)."""
     records = []

@@ -24,7 +24,16 @@ import torch
 
 from ..engine import SpeculativeGenerator
 from ..files import atomic_folder
-from .zoo import PRETRAINED, load_policy, preset_dataset, preset_task, preset_temperature, resolve_policy, zoo_home
+from .zoo import (
+    PRETRAINED,
+    load_policy,
+    preset_dataset,
+    preset_task,
+    preset_temperature,
+    resolve_policy,
+    teacher_forced_text,
+    zoo_home,
+)
 
 
 def restyle_solution(solution: str) -> str:
@@ -37,21 +46,6 @@ def restyle_solution(solution: str) -> str:
 
 
 STYLES = {"step-lines": restyle_solution, "capitals": lambda solution: restyle_solution(solution).upper()}
-
-
-def _sft_pairs(tokenizer, n: int, offset: int, style: str) -> list[tuple[list[int], list[int]]]:
-    """``(prompt, reply)`` ids: GSM8K training questions in chat form and their restyled solutions (rows from
-    ``offset`` on, away from the rows the zoo heads were distilled on)."""
-    from .tasks import chat_prompt, gsm8k_examples
-
-    pairs = []
-    for example in gsm8k_examples("train", limit=offset + n)[offset:]:
-        prompt = tokenizer.apply_chat_template(chat_prompt(example["question"]), tokenize=False,
-                                               add_generation_prompt=True)
-        reply = STYLES[style](example["solution"]) + tokenizer.eos_token
-        pairs.append((tokenizer(prompt, add_special_tokens=False)["input_ids"],
-                      tokenizer(reply, add_special_tokens=False)["input_ids"]))
-    return pairs
 
 
 def sft_policy(model_name: str, steps: int = 24, lr: float = 1e-4, batch_size: int = 8, style: str = "step-lines",
@@ -68,7 +62,8 @@ def sft_policy(model_name: str, steps: int = 24, lr: float = 1e-4, batch_size: i
         return str(out)
     model, tokenizer = load_policy(model_name, progress=progress)
     model.train()
-    pairs = _sft_pairs(tokenizer, steps * batch_size, offset=2000, style=style)
+    # rows from 2000 on: away from the rows the zoo heads were distilled on
+    pairs = teacher_forced_text(tokenizer, steps * batch_size, offset=2000, restyle=STYLES[style])
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     pad = tokenizer.pad_token_id
     for step in tqdm(range(steps), desc="SFT shift", disable=not progress):

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -358,16 +359,18 @@ def preset_distill_config(preset: str):
     return HeadDistillConfig(num_samples=1536, max_new_tokens=192, steps=2400, batch_size=1024)
 
 
-def teacher_forced_text(tokenizer, n: int) -> list[tuple[list[int], list[int]]]:
-    """``n`` GSM8K training solutions as chat replies to their questions, ``(prompt, reply)`` token ids: text the
-    heads can learn from with one forward each instead of sampling it."""
+def teacher_forced_text(tokenizer, n: int, offset: int = 0,
+                        restyle: Callable[[str], str] | None = None) -> list[tuple[list[int], list[int]]]:
+    """``n`` GSM8K training solutions (rows from ``offset`` on, each through ``restyle`` if given) as chat replies
+    to their questions, ``(prompt, reply)`` token ids: text the heads can learn from with one forward each instead
+    of sampling it, or an SFT set."""
     from .tasks import chat_prompt
 
     pairs = []
-    for example in gsm8k_examples("train", limit=n):
+    for example in gsm8k_examples("train", limit=offset + n)[offset:]:
         prompt = tokenizer.apply_chat_template(chat_prompt(example["question"]), tokenize=False,
                                                add_generation_prompt=True)
-        reply = example["solution"] + tokenizer.eos_token
+        reply = (restyle or str)(example["solution"]) + tokenizer.eos_token
         pairs.append((tokenizer(prompt, add_special_tokens=False)["input_ids"],
                       tokenizer(reply, add_special_tokens=False)["input_ids"]))
     return pairs

@@ -79,6 +79,8 @@ def test_moved_policy_and_sft_refuse_unknown_moves_and_styles():
 
     with pytest.raises(ValueError, match="unknown move"):
         moved_policy("smollm2-135m", "dpo")
+    with pytest.raises(ValueError, match="pretrained chat preset"):
+        moved_policy("nano", "sft")
     with pytest.raises(ValueError, match="unknown SFT style"):
         sft_policy("smollm2-135m", style="haiku")
     assert STYLES["capitals"]("A <<1+1=2>>2.\n#### 2") == "STEP 1: A 2.\n#### 2"

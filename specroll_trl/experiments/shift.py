@@ -216,6 +216,9 @@ def moved_policy(model_name: str, move: str, sft_steps: int = 24, sft_lr: float 
     """``(folder, settings)`` of a move in ``MOVES``: ``"sft"`` / ``"sft-capitals"`` (``sft_policy`` in the
     step-lines / capitals style) or ``"grpo"`` (``drifted_policy``); built on first use, then cached."""
     if move in ("sft", "sft-capitals"):
+        if model_name not in PRETRAINED:
+            raise ValueError(f"move {move!r} trains on chat-form GSM8K and needs a pretrained chat preset "
+                             f"({sorted(PRETRAINED)}), got {model_name!r}; toys can take 'grpo'")
         style = "capitals" if move == "sft-capitals" else "step-lines"
         return (sft_policy(model_name, sft_steps, sft_lr, style=style, progress=progress),
                 {"steps": sft_steps, "lr": sft_lr, "style": style})

@@ -48,10 +48,18 @@ def test_mean_token_kl_is_zero_for_the_same_policy_and_grows_with_the_shift():
 
 
 @pytest.mark.slow
-def test_measure_shift_reports_kl_and_the_heads_acceptance_on_both_policies(nano, tmp_path):
+def test_measure_shift_reports_kl_and_the_heads_acceptance_on_both_policies(nano, tmp_path, monkeypatch):
+    from specroll_trl.experiments import zoo
     from specroll_trl.experiments.shift import measure_shift
 
-    model, tokenizer, _ = nano
+    model, tokenizer, heads = nano
+    grad_modes = []
+
+    def load_heads(*args, **kwargs):  # on an empty cache this distils: it must run with gradients on
+        grad_modes.append(torch.is_grad_enabled())
+        return heads
+
+    monkeypatch.setattr(zoo, "load_heads", load_heads)
     perturbed_policy(model, scale=2.0).save_pretrained(tmp_path / "moved")
     record = measure_shift("nano", str(tmp_path / "moved"), num_prompts=4, max_new_tokens=32, progress=False)
     assert record["kl_moved_base"] > 0.01
@@ -59,6 +67,7 @@ def test_measure_shift_reports_kl_and_the_heads_acceptance_on_both_policies(nano
     assert record["tau_drop"] == pytest.approx(1 - record["moved_tau"] / record["base_tau"])
     assert len(record["moved_candidate_regret"]) == len(record["base_accept_per_head"]) == 4
     assert record["completion_tokens"] > 0
+    assert grad_modes == [True]
 
 
 def test_ablation_refuses_bad_shift_settings_before_loading_anything():

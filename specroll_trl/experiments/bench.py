@@ -285,6 +285,7 @@ def bench_reflex(model_name: str = DEFAULT_PRESET, grpo_steps: int = 8, batch_si
     # trains (needs gradients); the rest only generates
     drifted = (moved_policy(model_name, "sft-capitals")[0] if model_name in PRETRAINED
                else drifted_policy(model_name, grpo_steps))
+    load_heads(model_name, progress=progress)  # distilled on a first run: needs gradients too
     with torch.no_grad():
         return _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes,
                                   capacity, progress, variants, group)

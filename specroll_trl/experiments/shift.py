@@ -142,7 +142,6 @@ def _completion_batch(ids, mask, completions: list[list[int]], pad: int):
     return torch.cat([ids, tail], 1), torch.cat([mask, completion], 1), completion_mask
 
 
-@torch.no_grad()
 def measure_shift(model_name: str, moved_path: str, num_prompts: int = 8, max_new_tokens: int = 128,
                   refit_prompts: int = 16, progress: bool = True) -> dict:
     """How far ``moved_path`` is from ``model_name`` and what it does to the base policy's heads: mean per-token
@@ -150,16 +149,23 @@ def measure_shift(model_name: str, moved_path: str, num_prompts: int = 8, max_ne
     of the heads with a full tree (``max_nodes`` 16 per row) on the base and on the moved policy, same prompts
     and seed; then (``refit_prompts`` > 0) one consolidation with ``ConsolidationConfig``'s defaults on tuples
     captured while the moved policy answers ``refit_prompts`` other prompts, and the refitted heads' tau."""
+    from .zoo import load_heads
+
+    heads = load_heads(model_name, progress=progress)  # built with gradients on a first run: outside no_grad
+    with torch.no_grad():
+        return _measure_shift(model_name, moved_path, heads, num_prompts, max_new_tokens, refit_prompts, progress)
+
+
+def _measure_shift(model_name, moved_path, heads, num_prompts, max_new_tokens, refit_prompts, progress) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ..adapt.buffer import BufferCapture, HeadBuffer
     from ..adapt.consolidation import ConsolidationConfig, consolidate_heads
     from .bench import _left_pad, trl_generation_config
-    from .zoo import load_heads, task_prompt_ids
+    from .zoo import task_prompt_ids
 
     base, tokenizer = load_policy(model_name, progress=progress)
     moved = AutoModelForCausalLM.from_pretrained(moved_path).eval()
-    heads = load_heads(model_name, progress=progress)
     chat = model_name in PRETRAINED
     temperature = preset_temperature(model_name)
 

@@ -14,14 +14,16 @@ from specroll_trl.engine.compat import check_model_supported
 from specroll_trl.engine.generator import SpeculativeConfig, SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.engine.kvcache import RaggedCache
-from specroll_trl.engine.tree import DraftTree, PathTable, select_tree
+from specroll_trl.engine.tree import DraftTree, PathTable, grow_tree, select_tree
 from specroll_trl.experiments.zoo import task_prompt_ids
 
 from .conftest import cut_after_eos, left_padded, make_model
 
+HEAD_KINDS = ["independent", "path"]
 
-def noisy_heads(model, num_heads=4, std=0.5, seed=0):
-    heads = SpeculativeHeads.from_model(model, num_heads)
+
+def noisy_heads(model, num_heads=4, std=0.5, seed=0, kind="independent"):
+    heads = SpeculativeHeads.from_model(model, num_heads, kind=kind)
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -82,9 +84,10 @@ def test_greedy_equals_generate_with_useless_heads(nano):
         assert out.stats["tau"] < 1.3
 
 
-def test_greedy_random_model_eos_list_and_pad_equals_eos():
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_greedy_random_model_eos_list_and_pad_equals_eos(kind):
     model = make_model(vocab=40, scale=4.0, seed=3, eos=1, pad=1)
-    heads = noisy_heads(model, std=0.3)
+    heads = noisy_heads(model, std=0.3, kind=kind)
     prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12], [2], [7, 7, 7, 7, 7, 7, 7]]
     ids, mask = left_padded(prompts, pad=1)
     gc = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=[1, 2], pad_token_id=1,
@@ -176,10 +179,11 @@ SAMPLING_SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("kind", HEAD_KINDS)
 @pytest.mark.parametrize("name", sorted(SAMPLING_SETTINGS))
-def test_sampling_distribution_is_exact(name):
+def test_sampling_distribution_is_exact(name, kind):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
-    heads = noisy_heads(model, std=0.4, seed=1)
+    heads = noisy_heads(model, std=0.4, seed=1, kind=kind)
     gc = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0,
                           **SAMPLING_SETTINGS[name])
     samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5)
@@ -587,3 +591,54 @@ def test_emit_follows_the_samples_and_cuts_at_eos_and_room(sampled, eos, room, a
     assert step.count.tolist() == count * 2 and step.finished.tolist() == finished * 2
     last = [a for a in accepted[0] if a >= 0][-1]
     assert step.last.tolist() == [last] * 2 and step.next_root.tolist() == [sampled[0][last]] * 2
+
+
+def test_grown_tree_is_the_best_closed_tree_of_its_beam():
+    """Path heads' tree: parents first, distinct siblings, ancestors and path tokens that follow the parent links,
+    and the kept nodes are the best-scoring candidates of the depth-by-depth beam."""
+    torch.manual_seed(2)
+    batch, vocab, dim, heads_n, k = 5, 30, 8, 4, 3
+    table = torch.randn(heads_n, dim, vocab)
+    embed = torch.nn.Embedding(vocab, dim)
+
+    def head_step(depth, hidden, path):  # a stand-in head: logits depend on the last path token and the depth
+        logits = path[:, :, -1] @ table[depth - 1] + hidden @ table[depth - 1]
+        return hidden, logits.log_softmax(-1), lambda index: index
+
+    root = torch.randint(vocab, (batch,))
+    hidden = torch.randn(batch, dim)
+    with torch.no_grad():
+        grown = grow_tree(root, hidden, head_step, embed, heads_n, k, num_nodes=9)
+    tree = grown.tree
+    assert tree.size == 10 and int(tree.depth.max()) == heads_n
+    for b in range(batch):
+        for v in range(1, tree.size):
+            parent = int(tree.parent[b, v])
+            assert 0 <= parent < v and int(tree.depth[b, parent]) == int(tree.depth[b, v]) - 1
+            chain, node = [], v
+            while node > 0:
+                chain.append(node)
+                node = int(tree.parent[b, node])
+            assert set(tree.ancestors[b, v].nonzero().squeeze(1).tolist()) == {0, *chain}
+            path = [int(root[b])] + [int(tree.tokens[b, n]) for n in reversed(chain)]
+            assert tree.path_tokens[b, v].tolist() == path + [int(root[b])] * (heads_n + 1 - len(path))
+        siblings = {}
+        for v in range(1, tree.size):
+            siblings.setdefault(int(tree.parent[b, v]), []).append(int(tree.tokens[b, v]))
+        assert all(len(s) == len(set(s)) for s in siblings.values())
+    kept = tree.path_scores.topk(9, dim=-1).values
+    assert torch.all(tree.path_scores.sort(-1, descending=True).values[:, :9] == kept)
+    # the chain's candidates at depth 1 are head 1's top-k from the root
+    first = (embed(root) @ table[0] + hidden @ table[0]).topk(k, dim=-1).indices
+    assert torch.equal(grown.candidates[:, 0], first)
+
+
+def test_path_heads_refuse_hooks_that_adjust_per_head_proposals():
+    from specroll_trl.adapt.reflex import HiddenStateReflex
+
+    model = make_model()
+    heads = SpeculativeHeads.from_model(model, 2, kind="path")
+    gc = GenerationConfig(max_new_tokens=5, eos_token_id=1, pad_token_id=0)
+    engine = SpeculativeGenerator(model, heads, gc, capacity=8, hooks=[HiddenStateReflex()])
+    with pytest.raises(ValueError, match="path-conditioned heads"):
+        engine.generate(torch.tensor([[2, 3]]))

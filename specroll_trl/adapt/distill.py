@@ -2,10 +2,13 @@
 
 The policy samples completions at the rollout temperature; one teacher-forced forward over each sequence (its own
 samples, and optionally existing text) gives the final hidden states ``h_t`` and the top-K of the target's
-distribution at every position, kept once so training never projects through the full vocabulary again. Head
-``k`` at anchor ``t`` is trained towards the target's distribution of ``x_{t+1+k}`` (at position ``t+k``,
-renormalised on its top-K within the heads' vocabulary) with a KL term plus cross-entropy on the realised token.
-With ``draft_vocab_size`` the heads get a draft vocabulary: the tokens most frequent in those sequences.
+distribution at every completion position, kept once so training never projects through the full vocabulary
+again. Head ``k`` at anchor ``t`` is trained towards the target's distribution of ``x_{t+1+k}`` (at position
+``t+k``, renormalised on its top-K within the heads' vocabulary) with a KL term plus cross-entropy on the realised
+token; path heads also read the input embeddings of the realised ``x_{t+1..t+k}``. With ``draft_vocab_size`` the
+heads get a draft vocabulary: the tokens most frequent in those sequences. With a held-out stream (whole
+sequences from other prompts) training keeps the heads of the best held-out loss and stops when it stops
+improving; hit rates come with a 95% interval from a bootstrap over held-out sequences.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..engine.heads import SpeculativeHeads, VocabProjection, lm_head_of
+from ..engine.heads import HEAD_KINDS, SpeculativeHeads, VocabProjection, lm_head_of, path_embeddings
 
 REPORT_FILE = "distill_report.json"
 
@@ -30,7 +33,9 @@ class HeadDistillConfig:
     """
 
     num_heads: int = field(default=4, metadata={"help": "heads to build when none are given."})
-    num_layers: int = field(default=1, metadata={"help": "residual blocks per head."})
+    num_layers: int = field(default=1, metadata={"help": "residual blocks per independent head."})
+    kind: str = field(default="independent", metadata={
+        "help": "kind of new heads: 'independent' (each reads h_t) or 'path' (also the path tokens' embeddings)."})
     num_samples: int = field(
         default=512, metadata={"help": "completions sampled from the policy (10% held out for hit rates)."})
     max_new_tokens: int = field(default=160, metadata={"help": "completion length cap when sampling."})
@@ -46,6 +51,10 @@ class HeadDistillConfig:
     nll_weight: float = field(default=1.0, metadata={"help": "weight of cross-entropy on the realised token."})
     max_seconds: float | None = field(
         default=None, metadata={"help": "stop training early after this many seconds (``None``: no limit)."})
+    eval_every: int = field(default=0, metadata={
+        "help": "steps between held-out evaluations for early stopping (0: none; needs a held-out stream)."})
+    patience: int = field(default=4, metadata={
+        "help": "stop after this many evaluations without a better held-out loss; the best heads are kept."})
     sampling_max_seconds: float | None = field(
         default=None,
         metadata={"help": "start no new sampling batch after this many seconds (``None``: sample every prompt)."})
@@ -69,6 +78,10 @@ class HeadDistillConfig:
         for name in ("max_seconds", "sampling_max_seconds"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"kind must be one of {HEAD_KINDS}, got {self.kind!r}")
+        if self.eval_every < 0 or self.patience < 1:
+            raise ValueError(f"eval_every must be >= 0 and patience >= 1, got {self.eval_every}, {self.patience}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
 
@@ -137,8 +150,9 @@ def sample_sequences(model, prompt_ids: list[list[int]], config: HeadDistillConf
 def build_stream(model, pairs: list[tuple[list[int], list[int]]], temperature: float = 1.0, topk: int = 32,
                  batch_size: int = 8, chunk: int = 2048, progress: bool = False,
                  desc: str = "forward passes") -> TokenStream:
-    """Run the frozen policy over each ``(prompt, completion)`` and keep its final hidden states and the top-``topk``
-    of its distribution at ``temperature`` at every position."""
+    """Run the frozen policy over each ``(prompt, completion)`` and keep, from the prompt's last token on (every
+    position an anchor or a target can be), its final hidden states and the top-``topk`` of its distribution at
+    ``temperature``."""
     device = next(model.parameters()).device
     lm_head = lm_head_of(model)
     hidden, ids, anchor_ok, seq_end, top_ids, top_probs = [], [], [], [], [], []
@@ -154,16 +168,17 @@ def build_stream(model, pairs: list[tuple[list[int], list[int]]], temperature: f
         h = model(input_ids=batch, attention_mask=mask, output_hidden_states=True,
                   logits_to_keep=1).hidden_states[-1]
         for j, (p, c) in enumerate(batch_pairs):
-            n = len(p) + len(c)
-            hidden.append(h[j, :n].float().cpu())
-            ids.append(batch[j, :n].cpu())
-            ok = torch.zeros(n, dtype=torch.bool)
-            ok[len(p) - 1 : n - 1] = True
+            first, end = len(p) - 1, len(p) + len(c)
+            n = end - first
+            hidden.append(h[j, first:end].float().cpu())
+            ids.append(batch[j, first:end].cpu())
+            ok = torch.ones(n, dtype=torch.bool)
+            ok[-1] = False
             anchor_ok.append(ok)
             seq_end.append(torch.full((n,), offset + n))
             offset += n
-            for a in range(0, n, chunk):  # the full-vocabulary projection, once per position, in chunks
-                probs = torch.softmax(lm_head(h[j, a : min(n, a + chunk)]).float() / temperature, dim=-1)
+            for a in range(first, end, chunk):  # the full-vocabulary projection, once per position, in chunks
+                probs = torch.softmax(lm_head(h[j, a : min(end, a + chunk)]).float() / temperature, dim=-1)
                 values, index = probs.topk(min(topk, probs.shape[-1]), dim=-1)
                 top_ids.append(index.cpu())
                 top_probs.append(values.cpu())
@@ -181,13 +196,25 @@ def draft_vocabulary(stream: TokenStream, size: int, always: list[int]) -> torch
     return order[: min(size, int((counts > 0).sum()))].sort().values
 
 
+def head_states(heads: SpeculativeHeads, stream: TokenStream, anchors: torch.Tensor, embed=None) -> torch.Tensor:
+    """``z [A, H, D]`` of the heads at ``anchors``; path heads read the embeddings (``embed``: the target's input
+    embedding) of the realised tokens after each anchor."""
+    device = next(heads.parameters()).device
+    hidden = stream.hidden[anchors].to(device)
+    if not heads.reads_path:
+        return heads(hidden)
+    if embed is None:
+        raise ValueError("path-conditioned heads need the target's input embedding (`embed`) to train or evaluate")
+    return heads(hidden, path_embeddings(embed, stream.ids, anchors, heads.num_heads).to(hidden.dtype))
+
+
 def head_losses(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, anchors: torch.Tensor,
-                kl_weight: float, nll_weight: float) -> torch.Tensor:
+                kl_weight: float, nll_weight: float, embed=None) -> torch.Tensor:
     """Per-head mean of ``kl_weight * KL(p || q_k) + nll_weight * CE(x_{t+1+k})`` over valid anchors, ``p`` the
     target's top-K renormalised within the heads' vocabulary."""
     device = projection.lm_head.weight.device
     pos, token, valid = stream.targets(anchors, heads.num_heads)
-    logq = torch.log_softmax(projection(heads(stream.hidden[anchors].to(device))).float(), dim=-1)
+    logq = torch.log_softmax(projection(head_states(heads, stream, anchors, embed)).float(), dim=-1)
     index = projection.index_of(stream.top_ids[pos].to(device))  # [A, H, K]
     p = stream.top_probs[pos].to(device) * (index >= 0)
     p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
@@ -199,33 +226,58 @@ def head_losses(heads: SpeculativeHeads, projection: VocabProjection, stream: To
 
 
 @torch.no_grad()
-def head_hit_rates(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, ks=(1, 3, 5),
-                   chunk: int = 4096) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
-    """Per head: the share of anchors whose realised ``x_{t+1+k}`` is in the head's top-k, and the target's own
-    top-k probability mass there (what any draft of k candidates is accepted at, on average)."""
+def sequence_hits(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, ks=(1, 3, 5),
+                  chunk: int = 4096, embed=None) -> dict[str, torch.Tensor]:
+    """Per sequence of ``stream`` (``S`` of them) and head: ``hits [S, H, len(ks)]`` (anchors whose realised
+    ``x_{t+1+k}`` is in the head's top-k), the target's own top-k mass summed there (``mass``, same shape), and
+    ``counts [S, H]`` (valid anchors)."""
     anchors = stream.anchor_ok.nonzero().squeeze(-1)
-    hits = torch.zeros(heads.num_heads, len(ks))
-    mass = torch.zeros(heads.num_heads, len(ks))
-    counts = torch.zeros(heads.num_heads)
-    device = projection.lm_head.weight.device
+    sequence = torch.unique(stream.seq_end, return_inverse=True)[1]
+    num_seq, num_heads = int(sequence.max()) + 1 if len(sequence) else 0, heads.num_heads
+    hits = torch.zeros(num_seq, num_heads, len(ks))
+    mass = torch.zeros(num_seq, num_heads, len(ks))
+    counts = torch.zeros(num_seq, num_heads)
     for i in range(0, len(anchors), chunk):
         a = anchors[i : i + chunk]
-        pos, token, valid = stream.targets(a, heads.num_heads)
-        top = projection(heads(stream.hidden[a].to(device))).topk(max(ks), dim=-1).indices
+        pos, token, valid = stream.targets(a, num_heads)
+        top = projection(head_states(heads, stream, a, embed)).topk(max(ks), dim=-1).indices
         match = projection.target_ids(top).cpu() == token[..., None]
         cumulative = stream.top_probs[pos].cumsum(-1)
+        seq = sequence[a]
         for j, k in enumerate(ks):
-            hits[:, j] += (match[..., :k].any(-1) & valid).sum(0)
-            mass[:, j] += (cumulative[..., k - 1] * valid).sum(0)
-        counts += valid.sum(0)
-    hits, mass = hits / counts.clamp(min=1)[:, None], mass / counts.clamp(min=1)[:, None]
+            hits[:, :, j].index_add_(0, seq, (match[..., :k].any(-1) & valid).float())
+            mass[:, :, j].index_add_(0, seq, cumulative[..., k - 1] * valid)
+        counts.index_add_(0, seq, valid.float())
+    return {"hits": hits, "mass": mass, "counts": counts}
+
+
+def head_hit_rates(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, ks=(1, 3, 5),
+                   chunk: int = 4096, embed=None) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
+    """Per head: the share of anchors whose realised ``x_{t+1+k}`` is in the head's top-k, and the target's own
+    top-k probability mass there (what any draft of k candidates is accepted at, on average)."""
+    per = sequence_hits(heads, projection, stream, ks, chunk, embed)
+    counts = per["counts"].sum(0).clamp(min=1)[:, None]
+    hits, mass = per["hits"].sum(0) / counts, per["mass"].sum(0) / counts
     return ([{k: float(hits[h, j]) for j, k in enumerate(ks)} for h in range(heads.num_heads)],
             [{k: float(mass[h, j]) for j, k in enumerate(ks)} for h in range(heads.num_heads)])
 
 
+def hit_rate_intervals(per_sequence: dict[str, torch.Tensor], ks=(1, 3, 5), level: float = 0.95,
+                       resamples: int = 2000, seed: int = 0) -> list[dict[int, list[float]]]:
+    """Per head and k, a ``level`` interval of the hit rate from a bootstrap over whole sequences (anchors of one
+    sequence are correlated, so they are resampled together)."""
+    hits, counts = per_sequence["hits"], per_sequence["counts"]
+    pick = torch.randint(len(counts), (resamples, len(counts)), generator=torch.Generator().manual_seed(seed))
+    rates = hits[pick].sum(1) / counts[pick].sum(1).clamp(min=1)[..., None]  # [R, H, len(ks)]
+    low, high = rates.quantile((1 - level) / 2, dim=0), rates.quantile((1 + level) / 2, dim=0)
+    return [{k: [float(low[h, j]), float(high[h, j])] for j, k in enumerate(ks)} for h in range(hits.shape[1])]
+
+
 def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream, config: HeadDistillConfig,
-                          progress: bool = True) -> dict:
-    """Optimise only ``heads``' trainable parameters (LoRA adapters when PEFT-wrapped)."""
+                          progress: bool = True, embed=None, heldout: TokenStream | None = None) -> dict:
+    """Optimise only ``heads``' trainable parameters (LoRA adapters when PEFT-wrapped) for ``config.steps`` steps.
+    With ``heldout`` and ``config.eval_every``, the held-out loss is measured every ``eval_every`` steps, the best
+    heads are kept, and training stops after ``config.patience`` evaluations without improvement."""
     params = [p for p in heads.parameters() if p.requires_grad]
     if not params:
         raise ValueError("heads have no trainable parameters")
@@ -233,13 +285,16 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
     anchors = stream.anchor_ok.nonzero().squeeze(-1)
     gen = torch.Generator().manual_seed(config.seed)
     projection = heads.projection(lm_head)
+    early = heldout is not None and config.eval_every > 0
+    held_anchors = heldout.anchor_ok.nonzero().squeeze(-1)[:16384] if early else None
+    best, evals, since_best = (float("inf"), None, 0), [], 0
     start = time.time()
     heads.train()
     bar = tqdm(range(config.steps), desc="distilling heads", disable=not progress)
     steps_done, loss = 0, torch.tensor(float("nan"))
     for _ in bar:
         batch = anchors[torch.randint(len(anchors), (config.batch_size,), generator=gen)]
-        loss = head_losses(heads, projection, stream, batch, config.kl_weight, config.nll_weight).sum()
+        loss = head_losses(heads, projection, stream, batch, config.kl_weight, config.nll_weight, embed).sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"head distillation loss became {loss.item()} at step {steps_done}")
         optimizer.zero_grad(set_to_none=True)
@@ -247,39 +302,66 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
         optimizer.step()
         steps_done += 1
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if early and (steps_done % config.eval_every == 0 or steps_done == config.steps):
+            value = heldout_loss(heads, projection, heldout, held_anchors, config, embed)
+            evals.append([steps_done, value])
+            if value < best[0]:
+                best, since_best = (value, {k: v.detach().clone() for k, v in heads.state_dict().items()}, 0), 0
+            else:
+                since_best += 1
+            heads.train()
+            if since_best >= config.patience:
+                break
         if config.max_seconds is not None and time.time() - start > config.max_seconds:
             break
+    if best[1] is not None:
+        heads.load_state_dict(best[1])
     heads.eval()
-    return {"steps": steps_done, "seconds": time.time() - start, "final_loss": float(loss.detach())}
+    report = {"steps": steps_done, "seconds": time.time() - start, "final_loss": float(loss.detach())}
+    if early:
+        report.update(heldout_losses=evals, best_heldout_loss=best[0],
+                      best_step=next(step for step, value in evals if value == best[0]))
+    return report
 
 
-def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config: HeadDistillConfig | None = None,
-                  heads: SpeculativeHeads | None = None, progress: bool = True,
-                  text_pairs: list[tuple[list[int], list[int]]] | None = None):
-    """Sample the policy on ``prompt_ids``, fit heads, and measure held-out hit rates.
+@torch.no_grad()
+def heldout_loss(heads, projection, stream: TokenStream, anchors: torch.Tensor, config: HeadDistillConfig,
+                 embed=None, chunk: int = 2048) -> float:
+    """Sum over heads of the mean distillation loss on ``anchors`` of a held-out stream."""
+    heads.eval()
+    total, weight = 0.0, 0
+    for i in range(0, len(anchors), chunk):
+        a = anchors[i : i + chunk]
+        losses = head_losses(heads, projection, stream, a, config.kl_weight, config.nll_weight, embed)
+        total += float(losses.sum()) * len(a)
+        weight += len(a)
+    return total / max(1, weight)
 
-    ``text_pairs``: extra ``(prompt, completion)`` token ids of existing text, teacher-forced into the training
-    stream (a forward over text is far cheaper per token than sampling it). Returns ``(heads, report)``;
-    ``report["hit_rates"][k-1][j]`` is head ``k``'s top-``j`` hit rate, ``report["target_mass"][k-1][j]`` the
-    target's own top-``j`` probability mass at those positions.
-    """
+
+def draft_vocab_coverage(vocab: torch.Tensor, stream: TokenStream) -> float:
+    """Share of ``stream``'s completion tokens (the realised ones after each anchor) inside ``vocab``."""
+    tokens = stream.ids[stream.anchor_ok.nonzero().squeeze(-1) + 1]
+    return float(torch.isin(tokens, vocab).double().mean())
+
+
+def distill_from_samples(model, train_pairs: list[tuple[list[int], list[int]]],
+                         heldout_pairs: list[tuple[list[int], list[int]]], config: HeadDistillConfig | None = None,
+                         heads: SpeculativeHeads | None = None, progress: bool = True) -> tuple[SpeculativeHeads, dict]:
+    """Fit heads on ``(prompt, completion)`` pairs already sampled from the policy (``train_pairs``; text may be mixed
+    in) and measure them on whole held-out sequences. Returns ``(heads, report)``: ``report["hit_rates"][k-1][j]``
+    is head ``k``'s top-``j`` hit rate, ``report["hit_rate_ci"]`` its 95% interval, ``report["target_mass"]`` the
+    target's own top-``j`` mass there."""
     config = config or HeadDistillConfig()
     for p in model.parameters():
         p.requires_grad_(False)
-    lm_head = lm_head_of(model)
+    if not train_pairs or not heldout_pairs:
+        raise ValueError("head distillation needs at least one training and one held-out sequence")
+    lm_head, embed = lm_head_of(model), model.get_input_embeddings()
     start = time.time()
-    if not prompt_ids:
-        raise ValueError("head distillation needs at least one prompt")
-    pairs = sample_sequences(model, prompt_ids[: config.num_samples], config, pad_token_id, progress)
-    n_heldout = max(1, int(len(pairs) * config.heldout_fraction)) if len(pairs) > 1 else 0
-    streams = [build_stream(model, pairs[n_heldout:], config.temperature, config.target_topk, progress=progress,
-                            desc="targets of the samples")]
-    if text_pairs:
-        streams.append(build_stream(model, text_pairs, config.temperature, config.target_topk, progress=progress,
-                                    desc="teacher-forced text"))
-    train_stream = TokenStream.concat(streams)
-    heldout_stream = build_stream(model, pairs[:n_heldout] or pairs, config.temperature, config.target_topk)
-    sampling_seconds = time.time() - start
+    train_stream = build_stream(model, train_pairs, config.temperature, config.target_topk, progress=progress,
+                                desc="targets of the training sequences")
+    heldout_stream = build_stream(model, heldout_pairs, config.temperature, config.target_topk)
+    stream_seconds = time.time() - start
     if heads is None:
         draft_ids = None
         if config.draft_vocab_size and config.draft_vocab_size < lm_head.weight.shape[0]:
@@ -287,21 +369,53 @@ def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config:
             always = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
             draft_ids = draft_vocabulary(train_stream, config.draft_vocab_size, always)
         heads = SpeculativeHeads.from_model(model, num_heads=config.num_heads, num_layers=config.num_layers,
-                                            draft_ids=draft_ids)
+                                            draft_ids=draft_ids, kind=config.kind)
         heads.float()
     heads.check_compatible(model)
-    report = train_heads_on_stream(heads, lm_head, train_stream, config, progress)
-    hit_rates, target_mass = head_hit_rates(heads, heads.projection(lm_head), heldout_stream, config.hit_ks)
+    report = train_heads_on_stream(heads, lm_head, train_stream, config, progress, embed, heldout_stream)
+    projection = heads.projection(lm_head)
+    per_sequence = sequence_hits(heads, projection, heldout_stream, config.hit_ks, embed=embed)
+    hit_rates, target_mass = head_hit_rates(heads, projection, heldout_stream, config.hit_ks, embed=embed)
     report.update(
-        sampling_seconds=sampling_seconds,
+        stream_seconds=stream_seconds,
+        kind=heads.config.kind,
         train_tokens=int(train_stream.anchor_ok.sum()),
         heldout_tokens=int(heldout_stream.anchor_ok.sum()),
+        heldout_sequences=len(heldout_pairs),
         hit_rates=hit_rates,
+        hit_rate_ci=hit_rate_intervals(per_sequence, config.hit_ks),
         target_mass=target_mass,
         draft_vocab_size=heads.config.draft_vocab_size,
+        draft_vocab_coverage=None if heads.draft_ids is None else draft_vocab_coverage(heads.draft_ids.cpu(),
+                                                                                       heldout_stream),
+        truncated=report["steps"] < config.steps and "best_step" not in report,
+    )
+    return heads, report
+
+
+def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config: HeadDistillConfig | None = None,
+                  heads: SpeculativeHeads | None = None, progress: bool = True,
+                  text_pairs: list[tuple[list[int], list[int]]] | None = None):
+    """Sample the policy on ``prompt_ids`` (``config.heldout_fraction`` of the samples held out), fit heads
+    (:func:`distill_from_samples`) and measure held-out hit rates.
+
+    ``text_pairs``: extra ``(prompt, completion)`` token ids of existing text, teacher-forced into the training
+    stream (a forward over text is far cheaper per token than sampling it).
+    """
+    config = config or HeadDistillConfig()
+    if not prompt_ids:
+        raise ValueError("head distillation needs at least one prompt")
+    start = time.time()
+    pairs = sample_sequences(model, prompt_ids[: config.num_samples], config, pad_token_id, progress)
+    sampling_seconds = time.time() - start
+    n_heldout = max(1, int(len(pairs) * config.heldout_fraction)) if len(pairs) > 1 else 0
+    heads, report = distill_from_samples(model, pairs[n_heldout:] + list(text_pairs or []), pairs[:n_heldout] or pairs,
+                                         config, heads, progress)
+    report.update(
+        sampling_seconds=sampling_seconds,
         mean_completion_tokens=sum(len(c) for _, c in pairs) / len(pairs),
         samples=len(pairs),
-        truncated=len(pairs) < min(len(prompt_ids), config.num_samples) or report["steps"] < config.steps,
+        truncated=report["truncated"] or len(pairs) < min(len(prompt_ids), config.num_samples),
     )
     return heads, report
 

@@ -27,7 +27,7 @@ from .compat import any_rank_active, check_model_supported, should_sync
 from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import GenerationContext, StepFeedback, StepHook
 from .kvcache import RaggedCache
-from .tree import DraftTree, PathTable, select_tree
+from .tree import DraftTree, PathTable, grow_tree, select_tree
 from .verify import Emission, TargetDistribution, UnsupportedProcessorsError, emit, expected_accepted
 
 logger = logging.getLogger(__name__)
@@ -230,6 +230,7 @@ class SpeculativeGenerator:
             what = "heads' draft vocabulary" if heads.config.draft_vocab_size else "model's vocab"
             raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the {what} size ({proposable})")
         self.table = PathTable.build(heads.num_heads, self.config.topk_per_head)
+        self.embed = model.get_input_embeddings() if heads.reads_path else None
         self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
                                    else FixedBudget(self.config.capacity, self.config.max_nodes))
         self.supported_error: str | None = None
@@ -241,6 +242,17 @@ class SpeculativeGenerator:
                 raise
             self.supported_error = str(err)
             logger.warning("speculative engine falls back to model.generate: %s", err)
+
+    def _check_hooks(self) -> None:
+        """Path heads propose depth by depth, from a different ``z`` per frontier node: the per-head ``adjust`` /
+        ``adjust_logprobs`` protocol (Reflex) has nothing to act on, so such hooks are refused, not ignored."""
+        if not self.heads.reads_path:
+            return
+        for hook in self.hooks:
+            for method in ("adjust", "adjust_logprobs"):
+                if getattr(type(hook), method) is not getattr(StepHook, method):
+                    raise ValueError(f"hook {hook.name!r} overrides StepHook.{method}, which path-conditioned heads "
+                                     "(kind='path') do not support: use independent heads with it, or drop the hook")
 
     def _validate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -292,6 +304,7 @@ class SpeculativeGenerator:
                 warnings.warn(f"speculative engine: generation option(s) {err.options} cannot be reproduced per "
                               "tree node; these calls use model.generate", stacklevel=2)
             return self._fallback(input_ids, attention_mask, gen, max_new, start, reason=str(err))
+        self._check_hooks()
         stats = GenerationStats(capacity=self.config.capacity)
         state = self._prefill(input_ids, attention_mask, target, stats)
         hooks = TimedHooks(self.hooks, stats)
@@ -359,11 +372,24 @@ class SpeculativeGenerator:
         stats.active_rows.append(active)
         if not num_nodes:
             return Draft(select_tree(state.root, None, None, self.table, 0), 0, None, None)
+        if self.heads.reads_path:
+            grown = grow_tree(state.root, state.hidden, self._head_step(state.projection), self.embed,
+                              self.heads.num_heads, self.config.topk_per_head, num_nodes)
+            return Draft(grown.tree, num_nodes, grown.z, grown.candidates)
         z = hooks.chain("adjust", state.rows, self.heads(state.hidden))  # [B, H, D]
         head_logp = hooks.chain("adjust_logprobs", state.rows, torch.log_softmax(state.projection(z).float(), dim=-1))
         topk_logp, topk_index = head_logp.topk(self.config.topk_per_head, dim=-1)
         topk_ids = state.projection.target_ids(topk_index)
         return Draft(select_tree(state.root, topk_ids, topk_logp, self.table, num_nodes), num_nodes, z, topk_ids)
+
+    def _head_step(self, projection: VocabProjection):
+        """One depth of a path-heads tree: head ``d`` over the frontier's paths -> its states and log-probabilities."""
+
+        def step(depth: int, hidden: torch.Tensor, path: torch.Tensor):
+            z = self.heads.head_state(depth, hidden, path)
+            return z, torch.log_softmax(projection(z).float(), dim=-1), projection.target_ids
+
+        return step
 
     def _verify(self, state: DecodeState, tree: DraftTree) -> Verification:
         """One target forward over every row's root + tree, and one sample per node from its processed distribution."""

@@ -1,9 +1,16 @@
-"""Medusa-style speculative heads.
+"""Medusa-style speculative heads, of two kinds.
 
-Head ``k`` (1-based) maps the target's final hidden state ``h_t`` (input of ``lm_head``) to
-``z_k = h_t + SiLU(W_k h_t + b_k)`` (``num_layers`` such residual blocks) and predicts token
-``x_{t+1+k}`` with ``lm_head(z_k)``. The target's ``lm_head`` is shared, never copied, never trained
-here, and the heads live outside the policy module. ``W_k, b_k`` start at zero, so an untrained head
+Head ``k`` (1-based) predicts token ``x_{t+1+k}`` with ``lm_head(z_k)`` from the target's final hidden state
+``h_t`` (input of ``lm_head``):
+
+* ``kind="independent"`` (Medusa): ``z_k = h_t + SiLU(W_k h_t + b_k)`` (``num_layers`` such residual blocks); every
+  head reads only ``h_t``, so all run at once.
+* ``kind="path"`` (Hydra): head ``k`` also reads the input embeddings ``e`` of the tokens before its target on the
+  path, ``x_{t+1..t+k}`` (the root ``x_{t+1}`` included): ``z_k = h_t + U_k SiLU(W_k [h_t; e_1; ...; e_k] + b_k)``.
+  The tree then grows depth by depth (``tree.grow_tree``), each depth's head run once over that depth's frontier.
+
+The target's ``lm_head`` (and, for path heads, its input embedding) is shared, never copied, never trained here,
+and the heads live outside the policy module. The last linear of every head starts at zero, so an untrained head
 reproduces the base next-token distribution.
 
 With a draft vocabulary (``draft_ids``, the target ids the heads may propose, as EAGLE-3 drafts over a reduced
@@ -25,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 CONFIG_NAME = "config.json"
+HEAD_KINDS = ("independent", "path")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -38,6 +46,8 @@ class SpeculativeHeadsConfig:
         vocab_size: rows of the target's ``lm_head``; checked against the model.
         num_layers: residual SiLU blocks per head.
         draft_vocab_size: size of the draft vocabulary the heads propose from (0: the whole vocabulary).
+        kind: ``"independent"`` (each head reads ``h_t``) or ``"path"`` (head ``k`` also reads the embeddings of
+            the ``k`` path tokens before its target).
     """
 
     num_heads: int = 4
@@ -45,8 +55,11 @@ class SpeculativeHeadsConfig:
     vocab_size: int = 0
     num_layers: int = 1
     draft_vocab_size: int = 0
+    kind: str = "independent"
 
     def __post_init__(self):
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"SpeculativeHeadsConfig.kind must be one of {HEAD_KINDS}, got {self.kind!r}")
         for name in ("num_heads", "hidden_size", "vocab_size", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -69,16 +82,39 @@ class ResidualSiLUBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+class PathConditionedHead(nn.Module):
+    """``h + U SiLU(W [h; e_1; ...; e_k] + b)``: one head of the path kind, reading ``h`` and ``k`` path embeddings.
+    ``U`` starts at zero (the head starts as the base next-token distribution) and, unlike a residual SiLU block, can
+    move ``z`` away from ``h``'s own next-token direction."""
+
+    def __init__(self, hidden_size: int, path_length: int):
+        super().__init__()
+        self.path_length = path_length
+        self.inner = nn.Linear((path_length + 1) * hidden_size, hidden_size)
+        self.outer = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.outer.weight)
+        nn.init.zeros_(self.outer.bias)
+
+    def forward(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """``hidden [..., D]``, ``path [..., k, D]`` (at least ``k`` embeddings; the first ``k`` are read)."""
+        inputs = torch.cat([hidden, path[..., : self.path_length, :].flatten(-2)], dim=-1)
+        return hidden + self.outer(F.silu(self.inner(inputs)))
+
+
 class SpeculativeHeads(nn.Module):
-    """``H`` independent residual heads over a shared, external ``lm_head``."""
+    """``H`` heads over a shared, external ``lm_head`` (``config.kind``: independent or path-conditioned)."""
 
     def __init__(self, config: SpeculativeHeadsConfig):
         super().__init__()
         self.config = config
-        self.heads = nn.ModuleList(
-            nn.Sequential(*(ResidualSiLUBlock(config.hidden_size) for _ in range(config.num_layers)))
-            for _ in range(config.num_heads)
-        )
+        if config.kind == "path":
+            self.heads = nn.ModuleList(PathConditionedHead(config.hidden_size, k)
+                                       for k in range(1, config.num_heads + 1))
+        else:
+            self.heads = nn.ModuleList(
+                nn.Sequential(*(ResidualSiLUBlock(config.hidden_size) for _ in range(config.num_layers)))
+                for _ in range(config.num_heads)
+            )
         # the draft vocabulary's target ids (saved with the weights), or None: the whole vocabulary
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
 
@@ -86,16 +122,23 @@ class SpeculativeHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    @property
+    def reads_path(self) -> bool:
+        """Whether head ``k`` reads the embeddings of the path tokens before its target (``kind="path"``)."""
+        return self.config.kind == "path"
+
     @classmethod
     def from_model(cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1,
-                   draft_ids: torch.Tensor | list[int] | None = None) -> SpeculativeHeads:
-        """Zero-initialised heads sized for ``model`` (a HF causal LM), on its device and dtype; ``draft_ids``:
-        the target ids of a draft vocabulary (distinct), or ``None`` for the whole vocabulary."""
+                   draft_ids: torch.Tensor | list[int] | None = None, kind: str = "independent") -> SpeculativeHeads:
+        """Heads sized for ``model`` (a HF causal LM) that start as its next-token distribution, on its device and
+        dtype; ``draft_ids``: the target ids of a draft vocabulary (distinct), or ``None`` for the whole vocabulary;
+        ``kind``: ``"independent"`` or ``"path"``."""
         lm_head = lm_head_of(model)
         vocab, hidden = lm_head_shape(lm_head)
         ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long).flatten()
         config = SpeculativeHeadsConfig(num_heads=num_heads, hidden_size=hidden, vocab_size=vocab,
-                                        num_layers=num_layers, draft_vocab_size=0 if ids is None else len(ids))
+                                        num_layers=num_layers, draft_vocab_size=0 if ids is None else len(ids),
+                                        kind=kind)
         heads = cls(config)
         if ids is not None:
             heads.draft_ids.copy_(ids)
@@ -128,14 +171,26 @@ class SpeculativeHeads(nn.Module):
                 f"heads were built for vocab size {self.config.vocab_size} but the model's lm_head has {vocab}"
             )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [..., D]`` -> per-head hidden states ``z [..., H, D]``."""
-        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+    def forward(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden [..., D]`` -> per-head hidden states ``z [..., H, D]``. Path heads also need ``path [..., H, D]``:
+        the input embeddings of ``x_{t+1..t+H}`` (head ``k`` reads the first ``k``), e.g. the realised tokens when
+        training (:func:`path_embeddings`)."""
+        if not self.reads_path:
+            return torch.stack([head(hidden) for head in self.heads], dim=-2)
+        if path is None:
+            raise ValueError("path-conditioned heads need the embeddings of the path tokens (`path`)")
+        return torch.stack([head(hidden, path) for head in self.heads], dim=-2)
 
-    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def head_state(self, depth: int, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
+        """Head ``depth``'s (1-based) hidden state: ``hidden [..., D]`` (and for path heads ``path [..., depth, D]``)
+        -> ``z [..., D]``."""
+        head = self.heads[depth - 1]
+        return head(hidden, path) if self.reads_path else head(hidden)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module, path: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [..., D]`` -> head logits ``[..., H, V]`` through the shared ``lm_head`` (``V``: the draft
         vocabulary's size when the heads have one; ``projection(lm_head).target_ids`` maps the indices back)."""
-        return self.projection(lm_head)(self(hidden))
+        return self.projection(lm_head)(self(hidden, path))
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         path = Path(save_directory)
@@ -214,6 +269,14 @@ class VocabProjection:
                                        device=self.draft_ids.device)
             self._inverse[self.draft_ids] = torch.arange(len(self.draft_ids), device=self.draft_ids.device)
         return torch.where(ids >= 0, self._inverse[ids.clamp(min=0)], -1)
+
+
+def path_embeddings(embed: nn.Module, ids: torch.Tensor, anchors: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[A, H, D]`` input embeddings of the tokens after each anchor, ``ids[anchor + 1 .. anchor + H]`` (indices
+    clamped to ``ids``; the heads' loss masks what runs past a sequence's end): what path heads read in training."""
+    index = (anchors[:, None] + torch.arange(1, num_heads + 1, device=anchors.device)).clamp(max=len(ids) - 1)
+    weight = embed.weight
+    return embed(ids[index].to(weight.device))
 
 
 def check_heads_folder(directory: str | os.PathLike) -> Path:

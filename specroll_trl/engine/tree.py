@@ -124,3 +124,88 @@ def select_tree(root: torch.Tensor, topk_ids: torch.Tensor | None, topk_logp: to
     path_tokens = torch.cat([root[:, None, None].expand(batch, num_nodes, 1), picked_tok], dim=2)
     root_path = root[:, None, None].expand(batch, 1, num_heads + 1)
     return DraftTree(tokens, depth, parent, anc, torch.cat([root_path, path_tokens], dim=1), score)
+
+
+@dataclass
+class GrownTree:
+    """A tree grown depth by depth (path heads), and along its best chain what each head proposed from: ``z [B, H,
+    D]`` and ``candidates [B, H, K]`` (the best node of depth ``d - 1``'s hidden state and top-k at depth ``d``)."""
+
+    tree: DraftTree
+    z: torch.Tensor
+    candidates: torch.Tensor
+
+
+def grow_tree(root: torch.Tensor, hidden: torch.Tensor, head_step, embed, num_heads: int, topk: int,
+              num_nodes: int) -> GrownTree:
+    """Best-first tree of path-conditioned heads, one head call per depth, batched over rows and the frontier.
+
+    Depth ``d``'s head reads ``hidden`` and the embeddings of the path down to each frontier node; the ``topk``
+    children of every frontier node are candidates, and the best ``min(topk, num_nodes)`` of them (by path score,
+    the product of head probabilities) form the next frontier. The tree keeps the best ``num_nodes`` candidates
+    (closed under parent: a child scores below its parent).
+
+    Args:
+        root: ``[B]`` root tokens; hidden: ``[B, D]`` the hidden state that produced them.
+        head_step: ``(depth, hidden [B, f, D], path [B, f, depth, D]) -> (z [B, f, D], logp [B, f, V], ids)``, where
+            ``ids(index)`` maps indices of ``logp``'s last axis to target token ids.
+        embed: the target's input embedding (token ids -> ``[..., D]``).
+    """
+    batch, width = root.shape[0], min(topk, num_nodes)
+    path = embed(root)[:, None, None]  # [B, f=1, 1, D]
+    front_score = torch.zeros((batch, 1), device=root.device)
+    front_index = torch.full((batch, 1), -1, dtype=torch.long, device=root.device)  # candidate index, -1: root
+    tokens, parents, depths, scores, chain_z, chain_ids = [], [], [], [], [], []
+    offset = 0
+    for d in range(1, num_heads + 1):
+        f = path.shape[1]
+        z, logp, to_ids = head_step(d, hidden[:, None].expand(-1, f, -1), path)
+        top_logp, top_index = logp.topk(topk, dim=-1)  # [B, f, K]
+        ids = to_ids(top_index)
+        chain_z.append(z[:, 0])  # the frontier is sorted best first
+        chain_ids.append(ids[:, 0])
+        score = (front_score[..., None] + top_logp - 1e-6).reshape(batch, f * topk)  # strict decrease along a path
+        tokens.append(ids.reshape(batch, f * topk))
+        parents.append(front_index[..., None].expand(-1, -1, topk).reshape(batch, f * topk))
+        depths.append(torch.full((batch, f * topk), d, dtype=torch.long, device=root.device))
+        scores.append(score)
+        if d == num_heads:
+            break
+        keep = score.topk(min(width, f * topk), dim=-1).indices  # [B, f'], best first
+        grown = embed(tokens[-1].gather(1, keep))[:, :, None]
+        path = torch.cat([path.gather(1, (keep // topk)[..., None, None].expand(-1, -1, *path.shape[2:])), grown], 2)
+        front_score, front_index = score.gather(1, keep), offset + keep
+        offset += f * topk
+    tree = tree_from_nodes(root, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1),
+                           torch.cat(scores, 1), num_nodes, num_heads)
+    return GrownTree(tree, torch.stack(chain_z, 1), torch.stack(chain_ids, 1))
+
+
+def tree_from_nodes(root: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
+                    score: torch.Tensor, num_nodes: int, num_heads: int) -> DraftTree:
+    """The best ``num_nodes`` of ``M`` candidate nodes per row as a ``DraftTree``.
+
+    ``tokens / parent / depth / score``: ``[B, M]``, parents listed before children (``parent``: candidate index,
+    ``-1`` for a child of the root), scores strictly lower than the parent's, so the kept set is closed under
+    parent.
+    """
+    batch, device = root.shape[0], root.device
+    num_nodes = min(num_nodes, tokens.shape[1])
+    picked = score.topk(num_nodes, dim=-1).indices.sort(dim=-1).values  # candidate order keeps parents first
+    node_of = torch.zeros_like(tokens)
+    node_of.scatter_(1, picked, torch.arange(1, num_nodes + 1, device=device).expand(batch, -1))
+    up = parent.gather(1, picked)
+    zero = torch.zeros((batch, 1), dtype=torch.long, device=device)
+    parent_node = torch.cat([zero - 1, torch.where(up >= 0, node_of.gather(1, up.clamp(min=0)), 0)], 1)
+    node_tokens = torch.cat([root[:, None], tokens.gather(1, picked)], 1)
+    node_depth = torch.cat([zero, depth.gather(1, picked)], 1)
+    # walk every node up to the root: its ancestors, and its path's tokens by depth (right-padded with the root)
+    step_up = parent_node.clamp(min=0)
+    node = torch.arange(num_nodes + 1, device=device).expand(batch, -1)
+    ancestors = torch.zeros((batch, num_nodes + 1, num_nodes + 1), dtype=torch.bool, device=device)
+    path_tokens = root[:, None, None].expand(batch, num_nodes + 1, num_heads + 1).clone()
+    for _ in range(num_heads + 1):
+        ancestors.scatter_(2, node[..., None], True)
+        path_tokens.scatter_(2, node_depth.gather(1, node)[..., None], node_tokens.gather(1, node)[..., None])
+        node = step_up.gather(1, node)
+    return DraftTree(node_tokens, node_depth, parent_node, ancestors, path_tokens, score)

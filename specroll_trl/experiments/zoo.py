@@ -417,3 +417,28 @@ def load_heads(preset: str = DEFAULT_PRESET, progress: bool = True):
     from ..engine.heads import SpeculativeHeads
 
     return SpeculativeHeads.from_pretrained(build_heads(preset, progress=progress))
+
+
+# On-policy head data of a pretrained preset: which prompts are sampled for training and for the held-out set.
+ONPOLICY_TRAIN_PROMPTS = 1536  # GSM8K-train and arithmetic chat prompts, 3 : 1 (>= 200k anchors at T=0.7)
+ONPOLICY_HELDOUT_PROMPTS = 48  # whole sequences from GSM8K-test chat prompts, never trained on
+
+
+def onpolicy_prompt_plan(tokenizer, train: int = ONPOLICY_TRAIN_PROMPTS,
+                         heldout: int = ONPOLICY_HELDOUT_PROMPTS) -> dict[str, list[list[int]]]:
+    """Chat prompts for a pretrained preset's head data: ``heldout`` (the first GSM8K-test questions) and ``train``
+    (GSM8K-train questions in a seeded shuffle, every fourth one replaced by an arithmetic-task problem). The bench
+    prompts (GSM8K test from row 1000 on, and arithmetic from other seeds) are disjoint from both."""
+    from .tasks import chat_prompt
+
+    def render(questions):
+        texts = [tokenizer.apply_chat_template(chat_prompt(q), tokenize=False, add_generation_prompt=True)
+                 for q in questions]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    gsm = [e["question"] for e in gsm8k_examples("train")]
+    random.Random(31).shuffle(gsm)
+    arith = [e["question"] for e in arithmetic_examples(train // 4 + 1, seed=30_000)]
+    mixed = [arith[i // 4] if i % 4 == 3 else gsm[i - i // 4] for i in range(train)]
+    return {"heldout": render([e["question"] for e in gsm8k_examples("test", limit=heldout)]),
+            "train": render(mixed)}

@@ -55,14 +55,36 @@ def _demo(args) -> int:
     return 0
 
 
+def _train_preset_heads(args) -> int:
+    """A pretrained preset: the recipe of its shipped heads, on the shipped samples unless ``--resample``."""
+    from .adapt.distill import REPORT_FILE, format_hit_table
+    from .adapt.distill_cache import policy_fingerprint
+    from .experiments import onpolicy_heads, zoo
+
+    model, tokenizer = zoo.load_policy(args.model)
+    key = policy_fingerprint(model)
+    samples = None if args.resample else onpolicy_heads.shipped_samples(args.model, key)
+    cache = zoo.policy_dir(args.model) / "onpolicy_samples"
+    print(f"{'reusing the shipped samples' if samples else f'sampling the policy into {cache} (resumable)'}; "
+          f"recipe: {onpolicy_heads.onpolicy_distill_config()}", flush=True)
+    out = Path(args.out)
+    onpolicy_heads.distill_preset_heads(model, tokenizer, out, cache, key=key, samples=samples)
+    report = json.loads((out / REPORT_FILE).read_text())
+    print(format_hit_table(report["hit_rates"], report.get("target_mass")))
+    print(f"heads saved to {args.out}")
+    return 0
+
+
 def _train_heads(args) -> int:
     from .adapt.distill import HeadDistillConfig, distill_heads, format_hit_table, save_distilled
     from .experiments import zoo
 
+    if args.model in zoo.PRETRAINED:
+        return _train_preset_heads(args)
     model, tokenizer = zoo.load_policy(args.model)
     config = HeadDistillConfig(
         num_heads=args.num_heads, num_samples=args.num_samples, steps=args.steps, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, max_seconds=args.max_seconds, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, max_seconds=args.max_seconds, seed=args.seed, kind=args.kind,
     )
     prompts = zoo.task_prompt_ids(tokenizer, args.task, config.num_samples, seed=args.seed + 20_000)
     heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config)
@@ -190,8 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quiet", action="store_true", help="no per-step trainer logs or progress bars")
     demo.set_defaults(func=_demo)
 
-    heads = sub.add_parser("train-heads", help="self-distil speculative heads for a policy")
+    heads = sub.add_parser(
+        "train-heads", help="self-distil speculative heads for a policy",
+        description="A pretrained preset (smollm2-135m) runs the recipe of its shipped heads on the shipped samples "
+                    "(about 30 minutes on 2 cores; --resample draws new ones first, about an hour more); the flags "
+                    "below then do not apply. A toy preset or a model folder: the settings below.")
     heads.add_argument("--model", required=True, help="zoo preset or HF model folder")
+    heads.add_argument("--resample", action="store_true",
+                       help="pretrained preset: sample the policy again instead of reusing the shipped samples")
+    heads.add_argument("--kind", default="independent", choices=["independent", "path"], help="head kind")
     heads.add_argument("--out", required=True, help="folder for config.json + model.safetensors")
     heads.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k"])
     heads.add_argument("--num-heads", type=int, default=4)

@@ -115,6 +115,14 @@ class ConsolidationReport:
     reason: str = ""
 
 
+def refuse_path_heads(heads: torch.nn.Module) -> None:
+    """The buffer keeps, per anchor, ``h_t`` and the targets, not the path tokens path-conditioned heads read: they
+    cannot be re-fitted from it."""
+    if getattr(heads, "reads_path", False):
+        raise ValueError("the slow path (consolidation) re-fits independent heads only; these heads are "
+                         "path-conditioned (kind='path'): turn consolidation off or use independent heads")
+
+
 def consolidation_loss(heads, projection: VocabProjection, batch, lambda_nll: float) -> torch.Tensor:
     """Mean over valid (tuple, head) pairs of ``KL(p || q) + lambda_nll * CE(token)``, ``p`` on its top-K within the
     heads' vocabulary (renormalised there)."""
@@ -153,6 +161,7 @@ def refresh_draft_vocab(heads, lm_head: torch.nn.Module, tokens: torch.Tensor, m
 def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: HeadBuffer,
                       config: ConsolidationConfig | None = None) -> ConsolidationReport:
     """Re-fit ``heads``' trainable parameters on ``buffer``; restore them if anything goes wrong."""
+    refuse_path_heads(heads)
     config = config or ConsolidationConfig()
     start = time.perf_counter()
     params = [p for p in heads.parameters() if p.requires_grad]
@@ -247,6 +256,7 @@ class ConsolidationCallback(TrainerCallback):
 
     def __init__(self, heads: torch.nn.Module, lm_head: torch.nn.Module, config: ConsolidationConfig | None = None,
                  log: Callable[[dict[str, float]], None] | None = None):
+        refuse_path_heads(heads)
         c = self.config = config or ConsolidationConfig()
         self.heads, self.lm_head = heads, lm_head
         self.log = log or (lambda metrics: None)

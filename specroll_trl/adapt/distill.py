@@ -256,10 +256,13 @@ def head_hit_rates(heads: SpeculativeHeads, projection: VocabProjection, stream:
     """Per head: the share of anchors whose realised ``x_{t+1+k}`` is in the head's top-k, and the target's own
     top-k probability mass there (what any draft of k candidates is accepted at, on average)."""
     per = sequence_hits(heads, projection, stream, ks, chunk, embed)
-    counts = per["counts"].sum(0).clamp(min=1)[:, None]
-    hits, mass = per["hits"].sum(0) / counts, per["mass"].sum(0) / counts
-    return ([{k: float(hits[h, j]) for j, k in enumerate(ks)} for h in range(heads.num_heads)],
-            [{k: float(mass[h, j]) for j, k in enumerate(ks)} for h in range(heads.num_heads)])
+    return _rates(per, "hits", ks), _rates(per, "mass", ks)
+
+
+def _rates(per_sequence: dict[str, torch.Tensor], what: str, ks) -> list[dict[int, float]]:
+    """Per head and k: ``per_sequence[what]`` summed over sequences, over the valid anchors."""
+    value = per_sequence[what].sum(0) / per_sequence["counts"].sum(0).clamp(min=1)[:, None]
+    return [{k: float(value[h, j]) for j, k in enumerate(ks)} for h in range(value.shape[0])]
 
 
 def hit_rate_intervals(per_sequence: dict[str, torch.Tensor], ks=(1, 3, 5), level: float = 0.95,
@@ -346,51 +349,73 @@ def draft_vocab_coverage(vocab: torch.Tensor, stream: TokenStream) -> float:
 
 def distill_from_samples(model, train_pairs: list[tuple[list[int], list[int]]],
                          heldout_pairs: list[tuple[list[int], list[int]]], config: HeadDistillConfig | None = None,
-                         heads: SpeculativeHeads | None = None, progress: bool = True) -> tuple[SpeculativeHeads, dict]:
+                         heads: SpeculativeHeads | None = None, progress: bool = True,
+                         fp16_weights: bool = False) -> tuple[SpeculativeHeads, dict]:
     """Fit heads on ``(prompt, completion)`` pairs already sampled from the policy (``train_pairs``; text may be mixed
-    in) and measure them on whole held-out sequences. Returns ``(heads, report)``: ``report["hit_rates"][k-1][j]``
-    is head ``k``'s top-``j`` hit rate, ``report["hit_rate_ci"]`` its 95% interval, ``report["target_mass"]`` the
-    target's own top-``j`` mass there."""
+    in) and measure them on whole held-out sequences: one teacher-forced forward per sequence
+    (:func:`build_stream`), then :func:`distill_on_streams`."""
     config = config or HeadDistillConfig()
-    for p in model.parameters():
-        p.requires_grad_(False)
     if not train_pairs or not heldout_pairs:
         raise ValueError("head distillation needs at least one training and one held-out sequence")
-    lm_head, embed = lm_head_of(model), model.get_input_embeddings()
     start = time.time()
     train_stream = build_stream(model, train_pairs, config.temperature, config.target_topk, progress=progress,
                                 desc="targets of the training sequences")
     heldout_stream = build_stream(model, heldout_pairs, config.temperature, config.target_topk)
-    stream_seconds = time.time() - start
-    if heads is None:
-        draft_ids = None
-        if config.draft_vocab_size and config.draft_vocab_size < lm_head.weight.shape[0]:
-            eos = model.generation_config.eos_token_id
-            always = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
-            draft_ids = draft_vocabulary(train_stream, config.draft_vocab_size, always)
-        heads = SpeculativeHeads.from_model(model, num_heads=config.num_heads, num_layers=config.num_layers,
-                                            draft_ids=draft_ids, kind=config.kind)
-        heads.float()
+    heads, report = distill_on_streams(model, train_stream, heldout_stream, config, heads, progress, fp16_weights)
+    report.update(stream_seconds=time.time() - start - report["seconds"], heldout_sequences=len(heldout_pairs))
+    return heads, report
+
+
+def distill_on_streams(model, train_stream: TokenStream, heldout_stream: TokenStream,
+                       config: HeadDistillConfig | None = None, heads: SpeculativeHeads | None = None,
+                       progress: bool = True, fp16_weights: bool = False) -> tuple[SpeculativeHeads, dict]:
+    """Fit heads (new ones of ``config.kind``, with a draft vocabulary of the training stream's most frequent
+    ``config.draft_vocab_size`` tokens, unless ``heads`` are given) with early stopping on ``heldout_stream``.
+    Returns ``(heads, report)``: ``report["hit_rates"][k-1][j]`` is head ``k``'s top-``j`` hit rate on the held-out
+    stream, ``report["hit_rate_ci"]`` its 95% interval, ``report["target_mass"]`` the target's own top-``j`` mass
+    there. ``fp16_weights``: round the fitted weights to fp16 (as they will be saved) before measuring."""
+    config = config or HeadDistillConfig()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    lm_head, embed = lm_head_of(model), model.get_input_embeddings()
+    heads = heads if heads is not None else new_heads(model, train_stream, config)
     heads.check_compatible(model)
     report = train_heads_on_stream(heads, lm_head, train_stream, config, progress, embed, heldout_stream)
-    projection = heads.projection(lm_head)
-    per_sequence = sequence_hits(heads, projection, heldout_stream, config.hit_ks, embed=embed)
-    hit_rates, target_mass = head_hit_rates(heads, projection, heldout_stream, config.hit_ks, embed=embed)
-    report.update(
-        stream_seconds=stream_seconds,
-        kind=heads.config.kind,
-        train_tokens=int(train_stream.anchor_ok.sum()),
-        heldout_tokens=int(heldout_stream.anchor_ok.sum()),
-        heldout_sequences=len(heldout_pairs),
-        hit_rates=hit_rates,
-        hit_rate_ci=hit_rate_intervals(per_sequence, config.hit_ks),
-        target_mass=target_mass,
-        draft_vocab_size=heads.config.draft_vocab_size,
-        draft_vocab_coverage=None if heads.draft_ids is None else draft_vocab_coverage(heads.draft_ids.cpu(),
-                                                                                       heldout_stream),
-        truncated=report["steps"] < config.steps and "best_step" not in report,
-    )
+    if fp16_weights:
+        heads.half().float()
+    report.update(kind=heads.config.kind, train_tokens=int(train_stream.anchor_ok.sum()),
+                  draft_vocab_size=heads.config.draft_vocab_size,
+                  truncated=report["steps"] < config.steps and "best_step" not in report,
+                  **measure_heads(heads, model, heldout_stream, config.hit_ks))
     return heads, report
+
+
+def new_heads(model, stream: TokenStream, config: HeadDistillConfig) -> SpeculativeHeads:
+    """Untrained fp32 heads of ``config.kind`` for ``model``, with a draft vocabulary of ``stream``'s
+    ``config.draft_vocab_size`` most frequent tokens (and the eos ids) when that is smaller than the vocabulary."""
+    draft_ids = None
+    if config.draft_vocab_size and config.draft_vocab_size < lm_head_of(model).weight.shape[0]:
+        eos = model.generation_config.eos_token_id
+        always = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+        draft_ids = draft_vocabulary(stream, config.draft_vocab_size, always)
+    return SpeculativeHeads.from_model(model, num_heads=config.num_heads, num_layers=config.num_layers,
+                                       draft_ids=draft_ids, kind=config.kind).float()
+
+
+def measure_heads(heads: SpeculativeHeads, model, stream: TokenStream, ks=(1, 3, 5)) -> dict:
+    """Held-out figures of ``heads`` on ``stream``: ``hit_rates``, their 95% ``hit_rate_ci`` (bootstrap over
+    sequences), the target's own ``target_mass``, ``heldout_tokens`` and the draft vocabulary's coverage of the
+    stream's tokens."""
+    projection, embed = heads.projection(lm_head_of(model)), model.get_input_embeddings()
+    per_sequence = sequence_hits(heads, projection, stream, ks, embed=embed)
+    return {
+        "hit_rates": _rates(per_sequence, "hits", ks),
+        "hit_rate_ci": hit_rate_intervals(per_sequence, ks),
+        "target_mass": _rates(per_sequence, "mass", ks),
+        "heldout_tokens": int(stream.anchor_ok.sum()),
+        "draft_vocab_coverage": None if heads.draft_ids is None else draft_vocab_coverage(heads.draft_ids.cpu(),
+                                                                                          stream),
+    }
 
 
 def distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, config: HeadDistillConfig | None = None,

@@ -345,15 +345,13 @@ def heads_dir(preset: str) -> Path:
 
 def preset_distill_config(preset: str):
     """Head self-distillation settings for a zoo preset (smaller for ``nano`` so tests stay quick). A pretrained
-    preset gets the cheap recipe: 48 of its own temperature-0.7 samples plus 96 teacher-forced GSM8K solutions,
-    top-16 targets, a 4,096-token draft vocabulary (4 heads then cost ~8% of a target forward per row), training
-    bounded at 3 minutes."""
+    preset gets the on-policy recipe of its shipped heads (``onpolicy_heads.onpolicy_distill_config``)."""
     from ..adapt.distill import HeadDistillConfig
 
     if preset in PRETRAINED:
-        return HeadDistillConfig(num_samples=48, max_new_tokens=256, temperature=0.7, sample_batch_size=16,
-                                 steps=600, batch_size=512, lr=3e-3, target_topk=16, draft_vocab_size=4096,
-                                 max_seconds=180)
+        from .onpolicy_heads import onpolicy_distill_config
+
+        return onpolicy_distill_config()
     if preset == "nano":
         return HeadDistillConfig(num_samples=320, max_new_tokens=128, steps=300, batch_size=512)
     return HeadDistillConfig(num_samples=1536, max_new_tokens=192, steps=2400, batch_size=1024)
@@ -393,20 +391,23 @@ def task_prompt_ids(tokenizer, task: str, n: int, seed: int, conversational: boo
 
 
 def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
-    """Distil (once) and cache speculative heads for a zoo preset; returns their folder (``spec_heads/`` inside the
-    policy's). A build that fails leaves no temporary folder behind."""
+    """Speculative heads for a zoo preset, cached in ``spec_heads/`` inside the policy's folder; returns that folder.
+    A pretrained preset gets its shipped heads when they were fitted to these exact weights, else the on-policy
+    recipe runs (``onpolicy_heads``); a toy preset is distilled once. A build that fails leaves no temporary folder
+    behind."""
     from ..adapt.distill import REPORT_FILE, distill_heads, save_distilled
 
     out = heads_dir(preset)
     if (out / REPORT_FILE).is_file() and not force:
         return out
     model, tokenizer = load_policy(preset, progress=progress)
+    if preset in PRETRAINED:
+        from .onpolicy_heads import install_heads
+
+        return install_heads(preset, model, tokenizer, out, policy_dir(preset) / "onpolicy_samples", progress)
     config = preset_distill_config(preset)
-    pretrained = preset in PRETRAINED
-    seed = 20_000 if pretrained else PRESETS[preset].seed + 20_000
-    prompts = task_prompt_ids(tokenizer, preset_task(preset), config.num_samples, seed=seed, conversational=pretrained)
-    text = teacher_forced_text(tokenizer, 96) if pretrained else None
-    heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config, progress=progress, text_pairs=text)
+    prompts = task_prompt_ids(tokenizer, preset_task(preset), config.num_samples, seed=PRESETS[preset].seed + 20_000)
+    heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config, progress=progress)
     with atomic_folder(out) as tmp:
         save_distilled(heads, report, tmp)
     return out
@@ -418,27 +419,3 @@ def load_heads(preset: str = DEFAULT_PRESET, progress: bool = True):
 
     return SpeculativeHeads.from_pretrained(build_heads(preset, progress=progress))
 
-
-# On-policy head data of a pretrained preset: which prompts are sampled for training and for the held-out set.
-ONPOLICY_TRAIN_PROMPTS = 1536  # GSM8K-train and arithmetic chat prompts, 3 : 1 (>= 200k anchors at T=0.7)
-ONPOLICY_HELDOUT_PROMPTS = 48  # whole sequences from GSM8K-test chat prompts, never trained on
-
-
-def onpolicy_prompt_plan(tokenizer, train: int = ONPOLICY_TRAIN_PROMPTS,
-                         heldout: int = ONPOLICY_HELDOUT_PROMPTS) -> dict[str, list[list[int]]]:
-    """Chat prompts for a pretrained preset's head data: ``heldout`` (the first GSM8K-test questions) and ``train``
-    (GSM8K-train questions in a seeded shuffle, every fourth one replaced by an arithmetic-task problem). The bench
-    prompts (GSM8K test from row 1000 on, and arithmetic from other seeds) are disjoint from both."""
-    from .tasks import chat_prompt
-
-    def render(questions):
-        texts = [tokenizer.apply_chat_template(chat_prompt(q), tokenize=False, add_generation_prompt=True)
-                 for q in questions]
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-    gsm = [e["question"] for e in gsm8k_examples("train")]
-    random.Random(31).shuffle(gsm)
-    arith = [e["question"] for e in arithmetic_examples(train // 4 + 1, seed=30_000)]
-    mixed = [arith[i // 4] if i % 4 == 3 else gsm[i - i // 4] for i in range(train)]
-    return {"heldout": render([e["question"] for e in gsm8k_examples("test", limit=heldout)]),
-            "train": render(mixed)}

@@ -1,0 +1,91 @@
+"""What heads are worth: mean accepted length against tree size, and what a step costs against tree size.
+
+``tau_sweep`` runs the engine with a fixed number of draft nodes per row (``capacity`` large enough that every row
+gets ``N``), on held-out GSM8K-test chat prompts (rows 1000 on: never sampled for the heads' training or held-out
+sets). With a fixed ``N`` a row's acceptance does not depend on the other rows, so the prompts run as one batch and
+tau is the per-row figure a 1-row run measures. ``step_cost`` times engine steps at ``B`` rows and ``N`` nodes
+against ``N = 0``: the ratio is the tau a tree of ``N`` nodes must reach to break even at that batch size.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..adapt.samples import left_pad, sampling_config
+from ..engine.generator import SpeculativeGenerator
+from ..engine.heads import SpeculativeHeads
+from .tasks import chat_prompt, gsm8k_examples
+
+BENCH_ROW = 1000  # first GSM8K-test row of the benches' prompts (the heads' held-out set is rows 0-47)
+
+
+def bench_prompts(tokenizer, n: int, start: int = BENCH_ROW) -> list[list[int]]:
+    """``n`` GSM8K-test chat prompts from row ``start`` on."""
+    rows = gsm8k_examples("test", limit=start + n)[start:]
+    texts = [tokenizer.apply_chat_template(chat_prompt(e["question"]), tokenize=False, add_generation_prompt=True)
+             for e in rows]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def tau_sweep(model, tokenizer, heads: dict[str, str | Path], node_counts=(2, 4, 8, 16, 32), temperatures=(0.7, 1.0),
+              num_prompts: int = 8, max_new_tokens: int = 256, topk_per_head: int = 4, seed: int = 0,
+              progress: bool = True) -> list[dict]:
+    """One record per (heads, temperature, nodes): ``tau``, ``accept_per_head``, tokens and forwards, on the same
+    prompts and seed for every heads folder in ``heads`` (name -> folder)."""
+    ids, mask = left_pad(bench_prompts(tokenizer, num_prompts), tokenizer.pad_token_id)
+    records = []
+    for name, folder in heads.items():
+        loaded = SpeculativeHeads.from_pretrained(folder, dtype=model.dtype)
+        for temperature in temperatures:
+            gc = sampling_config(model, temperature, max_new_tokens)
+            for nodes in node_counts:
+                engine = SpeculativeGenerator(model, loaded, gc, capacity=10**9, max_nodes=nodes,
+                                              topk_per_head=topk_per_head)
+                torch.manual_seed(seed)
+                stats = engine.generate(ids, mask).stats
+                records.append({"heads": name, "kind": loaded.config.kind, "temperature": temperature,
+                                "nodes": nodes, "tau": stats.tau, "accept_per_head": stats.accept_per_head,
+                                "tokens": stats.tokens, "row_forwards": stats.row_forwards,
+                                "prompts": num_prompts, "max_new_tokens": max_new_tokens, "seconds": stats.seconds})
+                if progress:
+                    print(f"{name:<24} T={temperature} nodes {nodes:>2}: tau {stats.tau:.2f}  accept/depth "
+                          + " ".join(f"{a:.2f}" for a in stats.accept_per_head), flush=True)
+    return records
+
+
+@torch.no_grad()
+def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32), node_counts=(0, 2, 4, 8, 16, 32),
+              max_new_tokens: int = 48, repeats: int = 3, temperature: float = 0.7,
+              progress: bool = True) -> list[dict]:
+    """One record per (batch size, nodes): the median seconds of one decoding step (draft + verify + commit, the
+    prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat."""
+    heads = SpeculativeHeads.from_pretrained(heads_folder, dtype=model.dtype)
+    gc = sampling_config(model, temperature, max_new_tokens)
+    records = []
+    for batch in batch_sizes:
+        ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
+        engines = {n: SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=n) for n in node_counts}
+        engines[0].generate(ids, mask, max_new_tokens=2)  # warm-up
+        per_step = {n: [] for n in node_counts}
+        for r in range(repeats):
+            start = time.perf_counter()
+            engines[0].generate(ids, mask, max_new_tokens=1)
+            prefill = time.perf_counter() - start
+            for n, engine in engines.items():
+                torch.manual_seed(r)
+                stats = engine.generate(ids, mask).stats
+                per_step[n].append((stats.seconds - prefill) / max(1, stats.forwards - 1))
+        base = statistics.median(per_step[0])
+        for n in node_counts:
+            step = statistics.median(per_step[n])
+            records.append({"batch_size": batch, "nodes": n, "step_s": step, "relative": step / base,
+                            "break_even_tau": step / base})
+            if progress:
+                print(f"batch {batch:>2} nodes {n:>2}: step {1000 * step:7.1f} ms = {step / base:.2f}x a plain step",
+                      flush=True)
+    return records

@@ -1,0 +1,114 @@
+"""A pretrained preset's heads from its own samples: the prompt plan, the sampled data, and the shipped heads.
+
+The recipe (``adapt.distill.distill_from_samples``) needs many of the policy's own sequences; sampling them takes
+about an hour on 2 CPU cores, so the default preset's heads ship with the package (``data/heads/<preset>/``:
+``config.json`` + ``model.safetensors`` in fp16, ``distill_report.json``, and ``samples.safetensors``, the sampled
+token ids they were distilled from). Both are keyed to the policy's weights (``policy_sha256``, the SHA-256 of
+``distill_cache.policy_fingerprint``): shipped heads load only for the exact policy they were fitted to, shipped
+samples are reused only for it, and any other policy is sampled and distilled from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+from ..adapt.distill import REPORT_FILE, HeadDistillConfig, distill_from_samples, save_distilled
+from ..adapt.distill_cache import policy_fingerprint
+from ..adapt.samples import pack_samples, read_samples, sample_to_folder
+from ..files import atomic_folder
+from .tasks import arithmetic_examples, chat_prompt, gsm8k_examples
+
+SHIPPED_DIR = Path(__file__).parent / "data" / "heads"
+SAMPLES_FILE = "samples.safetensors"
+TRAIN_PROMPTS = 1152  # GSM8K-train and arithmetic chat prompts, 3 : 1 (about 220k anchors at T=0.7, 256 tokens)
+HELDOUT_PROMPTS = 48  # whole sequences from GSM8K-test chat prompts, never trained on (about 9k anchors)
+SAMPLE_SEEDS = {"heldout": 100_000, "train": 0}
+
+
+def onpolicy_distill_config() -> HeadDistillConfig:
+    """The recipe of the shipped heads: path-conditioned heads over an 8,192-token draft vocabulary, fitted to the
+    top-16 of the target's T=0.7 distribution plus the realised token, a fixed number of steps with early stopping
+    on the held-out loss."""
+    return HeadDistillConfig(kind="path", temperature=0.7, max_new_tokens=256, sample_batch_size=64, steps=1500,
+                             batch_size=512, lr=1e-3, target_topk=16, draft_vocab_size=8192, eval_every=100,
+                             patience=3)
+
+
+def prompt_plan(tokenizer, train: int = TRAIN_PROMPTS, heldout: int = HELDOUT_PROMPTS) -> dict[str, list[list[int]]]:
+    """Chat prompts of the head data: ``heldout`` (the first GSM8K-test questions) and ``train`` (GSM8K-train
+    questions in a seeded shuffle, every fourth one replaced by an arithmetic-task problem). The benches' prompts
+    (GSM8K test from row 1000 on, arithmetic from other seeds) are disjoint from both."""
+
+    def render(questions):
+        texts = [tokenizer.apply_chat_template(chat_prompt(q), tokenize=False, add_generation_prompt=True)
+                 for q in questions]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    gsm = [e["question"] for e in gsm8k_examples("train")]
+    random.Random(31).shuffle(gsm)
+    arith = [e["question"] for e in arithmetic_examples(train // 4 + 1, seed=30_000)]
+    mixed = [arith[i // 4] if i % 4 == 3 else gsm[i - i // 4] for i in range(train)]
+    return {"heldout": render([e["question"] for e in gsm8k_examples("test", limit=heldout)]),
+            "train": render(mixed)}
+
+
+def sample_plan(model, tokenizer, folder: str | Path, config: HeadDistillConfig, progress: bool = True) -> dict:
+    """The plan's prompts sampled from the policy into ``folder`` (resumable): ``{"heldout": pairs, "train":
+    pairs}``."""
+    plan = prompt_plan(tokenizer)
+    return {name: sample_to_folder(model, plan[name], Path(folder) / name, tokenizer.pad_token_id, config.temperature,
+                                   config.max_new_tokens, config.sample_batch_size, SAMPLE_SEEDS[name], progress)
+            for name in ("heldout", "train")}
+
+
+def shipped_folder(preset: str) -> Path:
+    return SHIPPED_DIR / preset
+
+
+def _matches(folder: Path, key: str) -> bool:
+    report = folder / REPORT_FILE
+    return report.is_file() and json.loads(report.read_text()).get("policy_sha256") == key
+
+
+def shipped_samples(preset: str, key: str) -> dict | None:
+    """The shipped samples of ``preset`` when they were drawn from the policy with fingerprint ``key``."""
+    folder = shipped_folder(preset)
+    return read_samples(folder / SAMPLES_FILE) if _matches(folder, key) and (folder / SAMPLES_FILE).is_file() else None
+
+
+def install_heads(preset: str, model, tokenizer, out: Path, cache: Path, progress: bool = True) -> Path:
+    """Heads for a pretrained preset in ``out``: the shipped ones when they were fitted to this very policy, else
+    distilled by the recipe from the shipped samples (same policy) or from new samples drawn into ``cache``."""
+    key = policy_fingerprint(model)
+    shipped = shipped_folder(preset)
+    if _matches(shipped, key) and (shipped / "model.safetensors").is_file():
+        with atomic_folder(out) as tmp:
+            tmp.mkdir(parents=True)
+            for name in ("config.json", "model.safetensors", REPORT_FILE):
+                shutil.copy(shipped / name, tmp / name)
+        return out
+    return distill_preset_heads(model, tokenizer, out, cache, key=key, progress=progress)
+
+
+def distill_preset_heads(model, tokenizer, out: Path, cache: Path, key: str | None = None, samples: dict | None = None,
+                         config: HeadDistillConfig | None = None, progress: bool = True) -> Path:
+    """Run the recipe into ``out`` (heads in fp16, their report with ``policy_sha256``, and the samples they came
+    from). ``samples``: ``{"heldout", "train"}`` pairs to use (default: sampled into ``cache``, resumably)."""
+    config = config or onpolicy_distill_config()
+    samples = samples or sample_plan(model, tokenizer, cache, config, progress)
+    heads, report = distill_from_samples(model, samples["train"], samples["heldout"], config, progress=progress,
+                                         fp16_weights=True)
+    return save_preset_heads(heads, report, samples, key or policy_fingerprint(model), out)
+
+
+def save_preset_heads(heads, report: dict, samples: dict, key: str, out: Path) -> Path:
+    """Write heads (fp16), their report keyed by ``policy_sha256 = key``, and the samples they were fitted to."""
+    report = {**report, "policy_sha256": key, "samples": {k: len(v) for k, v in samples.items()},
+              "sampled_tokens": {k: sum(len(c) for _, c in v) for k, v in samples.items()}}
+    with atomic_folder(out) as tmp:
+        save_distilled(heads.half(), report, tmp)
+        pack_samples(samples, tmp / SAMPLES_FILE, {"policy_sha256": key})
+    return out

@@ -1,0 +1,147 @@
+"""The on-policy head recipe: resumable samples, path-conditioned heads that read their path, early stopping,
+hit-rate intervals, and shipped heads keyed to the policy's weights."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specroll_trl.adapt.consolidation import ConsolidationCallback, consolidate_heads
+from specroll_trl.adapt.distill import (
+    HeadDistillConfig,
+    build_stream,
+    distill_on_streams,
+    head_hit_rates,
+    hit_rate_intervals,
+    sequence_hits,
+    train_heads_on_stream,
+)
+from specroll_trl.adapt.distill_cache import policy_fingerprint
+from specroll_trl.adapt.samples import pack_samples, read_folder, read_samples, sample_to_folder
+from specroll_trl.engine.heads import SpeculativeHeads
+from specroll_trl.experiments import onpolicy_heads
+
+from .conftest import make_model
+
+PROMPTS = [[2, 3], [4, 5, 6], [7], [8, 9], [3, 3, 3]]
+
+
+def test_samples_resume_where_they_stopped_and_reproduce(tmp_path):
+    model = make_model(vocab=24, eos=1)
+    first = sample_to_folder(model, PROMPTS, tmp_path / "a", 0, 1.0, 12, batch_size=2, seed=3, progress=False)
+    assert [p for p, _ in first] == PROMPTS and all(0 < len(c) <= 12 for _, c in first)
+    (tmp_path / "a" / "shard_00001.json").unlink()  # a run killed before its second shard
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    again = sample_to_folder(model, PROMPTS, tmp_path / "a", 0, 1.0, 12, batch_size=2, seed=3, progress=False)
+    assert again == first  # the missing shard is redrawn with its own seed, the others are read back
+    assert 0 < len(calls) <= 13  # only one shard was sampled again
+    assert read_folder(tmp_path / "a", 3) == first
+    with pytest.raises(FileNotFoundError, match="lacks shards"):
+        read_folder(tmp_path / "a", 4)
+    pack_samples({"train": first[:3], "heldout": first[3:]}, tmp_path / "s.safetensors")
+    assert read_samples(tmp_path / "s.safetensors") == {"train": first[:3], "heldout": first[3:]}
+
+
+def pair_stream(model, vocab, n=400, seed=0):
+    """Random tokens each followed by a fixed function of it: x_{t+2} is known from x_{t+1}, not from h_t."""
+    rng = torch.Generator().manual_seed(seed)
+    firsts = torch.randint(2, vocab // 2, (n,), generator=rng).tolist()
+    seq = [t for a in firsts for t in (a, a + vocab // 2)]
+    return build_stream(model, [(seq[:1], seq[1:])], temperature=1.0, topk=8)
+
+
+@pytest.mark.parametrize("kind", ["independent", "path"])
+def test_path_heads_read_the_tokens_on_their_path(kind):
+    vocab = 24
+    model = make_model(vocab=vocab, hidden=32, seed=2)
+    stream = pair_stream(model, vocab)
+    heads = SpeculativeHeads.from_model(model, num_heads=2, kind=kind)
+    config = HeadDistillConfig(steps=400, batch_size=64, lr=1e-2, kl_weight=0.0, nll_weight=1.0)
+    train_heads_on_stream(heads, model.lm_head, stream, config, progress=False, embed=model.get_input_embeddings())
+    held = pair_stream(model, vocab, n=100, seed=1)
+    rates, _ = head_hit_rates(heads, heads.projection(model.lm_head), held, ks=(1,), embed=model.get_input_embeddings())
+    # Half the anchors come before a random token x_{t+1} whose partner x_{t+2} only a head that reads the root can
+    # know; at the other half x_{t+2} is random: at most ~55% for a path head, ~10% for an independent one.
+    head1 = rates[0][1]
+    assert head1 > 0.45 if kind == "path" else head1 < 0.2
+
+
+def test_path_heads_need_the_embedding_to_train():
+    model = make_model(vocab=24)
+    heads = SpeculativeHeads.from_model(model, num_heads=2, kind="path")
+    with pytest.raises(ValueError, match="input embedding"):
+        train_heads_on_stream(heads, model.lm_head, pair_stream(model, 24, n=20), HeadDistillConfig(steps=2),
+                              progress=False)
+
+
+def test_early_stopping_keeps_the_best_heldout_heads_and_reports_intervals():
+    vocab = 24
+    model = make_model(vocab=vocab, hidden=32, seed=2)
+    train, held = pair_stream(model, vocab, n=30), pair_stream(model, vocab, n=60, seed=1)
+    config = HeadDistillConfig(num_heads=2, steps=400, batch_size=32, lr=5e-2, eval_every=10, patience=2,
+                               kind="path")
+    heads, report = distill_on_streams(model, train, held, config, progress=False)
+    losses = [v for _, v in report["heldout_losses"]]
+    assert report["best_heldout_loss"] == min(losses)
+    assert report["steps"] < 400 and report["steps"] == report["heldout_losses"][-1][0]  # stopped early
+    assert report["best_step"] == report["heldout_losses"][losses.index(min(losses))][0]
+    for rates, intervals in zip(report["hit_rates"], report["hit_rate_ci"]):
+        for k, (low, high) in intervals.items():
+            assert low <= rates[k] <= high
+    # the best heads are the ones kept: their held-out loss is the best one logged
+    from specroll_trl.adapt.distill import heldout_loss
+
+    anchors = held.anchor_ok.nonzero().squeeze(-1)
+    again = heldout_loss(heads, heads.projection(model.lm_head), held, anchors, config, model.get_input_embeddings())
+    assert again == pytest.approx(report["best_heldout_loss"], rel=1e-5)
+
+
+def test_bootstrap_interval_widens_when_sequences_disagree():
+    ks = (1,)
+    agree = {"hits": torch.full((40, 1, 1), 5.0), "counts": torch.full((40, 1), 10.0)}
+    disagree = {"hits": torch.tensor([10.0, 0.0] * 20).view(40, 1, 1), "counts": torch.full((40, 1), 10.0)}
+    (low_a, high_a), (low_d, high_d) = hit_rate_intervals(agree, ks)[0][1], hit_rate_intervals(disagree, ks)[0][1]
+    assert low_a == high_a == 0.5
+    assert low_d < 0.45 and high_d > 0.55
+
+
+def test_sequence_hits_split_by_sequence():
+    model = make_model(vocab=24, hidden=32)
+    stream = build_stream(model, [([2], [3, 4, 5, 6]), ([7, 8], [9, 10, 11])], temperature=1.0, topk=8)
+    heads = SpeculativeHeads.from_model(model, num_heads=2)
+    per = sequence_hits(heads, heads.projection(model.lm_head), stream, ks=(1, 5))
+    assert per["counts"].tolist() == [[3.0, 2.0], [2.0, 1.0]]  # anchors whose x_{t+1+k} exists, per sequence
+
+
+def test_consolidation_refuses_path_heads_by_name():
+    model = make_model()
+    heads = SpeculativeHeads.from_model(model, num_heads=2, kind="path")
+    with pytest.raises(ValueError, match="path-conditioned"):
+        ConsolidationCallback(heads, model.lm_head)
+    with pytest.raises(ValueError, match="path-conditioned"):
+        consolidate_heads(heads, model.lm_head, None)
+
+
+def test_shipped_heads_load_only_for_the_policy_they_were_fitted_to(tmp_path, monkeypatch):
+    model, other = make_model(vocab=24, seed=0), make_model(vocab=24, seed=1)
+    samples = {"heldout": [([2, 3], [4, 5, 6, 1])], "train": [([3], [5, 6, 7, 8, 9, 1]), ([4, 4], [6, 7, 1])]}
+    config = HeadDistillConfig(num_heads=2, steps=5, batch_size=8, target_topk=8, kind="path", eval_every=2)
+    monkeypatch.setattr(onpolicy_heads, "SHIPPED_DIR", tmp_path / "shipped")
+    shipped = onpolicy_heads.shipped_folder("toy")
+    onpolicy_heads.distill_preset_heads(model, None, shipped, tmp_path / "cache", samples=samples, config=config)
+    report = json.loads((shipped / "distill_report.json").read_text())
+    assert report["policy_sha256"] == policy_fingerprint(model) and report["sampled_tokens"]["train"] == 9
+    assert onpolicy_heads.shipped_samples("toy", policy_fingerprint(model)) == samples
+    assert onpolicy_heads.shipped_samples("toy", policy_fingerprint(other)) is None
+
+    out = onpolicy_heads.install_heads("toy", model, None, tmp_path / "installed", tmp_path / "cache")
+    assert (out / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
+    assert SpeculativeHeads.from_pretrained(out).config.kind == "path"
+    assert load_file(str(out / "model.safetensors"))["heads.0.inner.weight"].dtype == torch.float16  # half the size
+
+    distilled = []
+    monkeypatch.setattr(onpolicy_heads, "distill_preset_heads", lambda *a, **k: distilled.append(a) or a[2])
+    onpolicy_heads.install_heads("toy", other, None, tmp_path / "other", tmp_path / "cache")
+    assert distilled and distilled[0][0] is other  # another policy: distilled for itself, not given these heads

@@ -37,7 +37,6 @@ from specroll_trl.adapt.distill import (
     new_heads,
     save_distilled,
 )
-from specroll_trl.adapt.distill_cache import policy_fingerprint
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.experiments import onpolicy_heads, zoo
 
@@ -104,8 +103,7 @@ def main() -> None:
         else:
             save_distilled(heads, report, folder)
         if variant == "path" and args.ship:
-            onpolicy_heads.save_preset_heads(heads, report, samples, policy_fingerprint(model),
-                                             onpolicy_heads.shipped_folder(args.model))
+            onpolicy_heads.save_preset_heads(heads, report, samples, model, onpolicy_heads.shipped_folder(args.model))
     Path(args.out).write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
 

@@ -104,6 +104,9 @@ BENCH_RUNS = {
                  dict(steps=6, max_new_tokens=96, prompts_per_step=1)),
     "reflex": (dict(steps=8, repeats=3, max_new_tokens=192), dict(steps=4, repeats=1, max_new_tokens=128)),
     "shift": (dict(sft_steps=24, grpo_steps=6), dict(sft_steps=4, grpo_steps=2)),
+    "heads": (dict(nodes=[2, 4, 8, 16, 32], temperatures=[0.7, 1.0], prompts=8, max_new_tokens=256,
+                   cost_batch_sizes=[1, 8, 32]),
+              dict(nodes=[4, 16], temperatures=[0.7], prompts=2, max_new_tokens=64, cost_batch_sizes=[1])),
 }
 
 
@@ -125,6 +128,8 @@ def _bench(args) -> int:
         if args.out:
             write_results(records, args.out, plot=False)
         return 0
+    if args.what == "heads":
+        return _bench_heads(args, run)
     if args.what == "ablation":
         from .experiments.ablation import bench_ablation, format_ablation, plot_ablation
         from .experiments.zoo import PRETRAINED
@@ -165,6 +170,28 @@ def _bench(args) -> int:
     print(format_table(records))
     if args.out:
         write_results(records, args.out)
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+    return 0
+
+
+def _bench_heads(args, run: dict) -> int:
+    from .experiments import zoo
+    from .experiments.bench import write_results
+    from .experiments.heads_bench import plot_heads, step_cost, tau_sweep
+
+    model, tokenizer = zoo.load_policy(args.model)
+    if args.heads:
+        heads = dict(item.split("=", 1) if "=" in item else (Path(item).name, item) for item in args.heads)
+    else:
+        heads = {f"{args.model} (default)": str(zoo.build_heads(args.model))}
+    records = tau_sweep(model, tokenizer, heads, node_counts=run["nodes"], temperatures=run["temperatures"],
+                        num_prompts=run["prompts"], max_new_tokens=run["max_new_tokens"])
+    if run["cost_batch_sizes"]:
+        records += step_cost(model, tokenizer, next(iter(heads.values())), batch_sizes=run["cost_batch_sizes"],
+                             node_counts=[0, *run["nodes"]])
+    if args.out:
+        write_results(records, args.out, plot=False)
+        plot_heads(records, Path(args.out).with_suffix(".png"))
         print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
     return 0
 
@@ -299,6 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
     shift.add_argument("--grpo-steps", type=int, default=None,
                        help=f"GRPO steps (2 prompts x 8 completions of up to 128 tokens) {says('grpo_steps')}")
     shift.add_argument("--grpo-lr", type=float, default=5e-5, help="GRPO learning rate")
+
+    hb, says = kind("heads", "tau against tree size for heads folders (same prompts and seed), and a decoding step's "
+                             "cost against tree size: the tau each tree size must reach to break even")
+    hb.add_argument("--heads", nargs="+", default=None,
+                    help="NAME=FOLDER (or FOLDER) of each heads set to compare (default: the preset's heads)")
+    hb.add_argument("--nodes", type=int, nargs="+", default=None, help=f"draft nodes per row {says('nodes')}")
+    hb.add_argument("--temperatures", type=float, nargs="+", default=None, help=says("temperatures"))
+    hb.add_argument("--prompts", type=int, default=None,
+                    help=f"GSM8K-test chat prompts from row 1000 on {says('prompts')}")
+    hb.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
+    hb.add_argument("--cost-batch-sizes", type=int, nargs="*", default=None,
+                    help=f"batch sizes of the step-cost curve, none to skip it {says('cost_batch_sizes')}")
 
     export = sub.add_parser("export-vllm", help="write heads as a vLLM Medusa speculator (config.json + safetensors)")
     export.add_argument("--heads", required=True, help="heads folder (e.g. a checkpoint's spec_heads/)")

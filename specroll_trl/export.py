@@ -63,6 +63,9 @@ def export_vllm(
         overwrite: replace an existing export in ``out_dir`` (anything else in the folder is still refused).
     """
     heads = _merged_heads(_load_heads(heads), adapter)
+    if heads.reads_path:
+        raise ValueError("vLLM's Medusa speculator runs independent heads only; these heads are path-conditioned "
+                         "(kind='path') and cannot be exported")
     lm_weight = _lm_head_weight(model)
     vocab, hidden = lm_weight.shape
     if hidden != heads.config.hidden_size:

@@ -225,6 +225,9 @@ class SpecGRPOTrainer(GRPOTrainer):
             return
         if self.spec_heads is None:
             self.spec_heads = self._initial_heads()
+        if self._spec_reflex and getattr(self.spec_heads, "reads_path", False):
+            raise ValueError(f"spec_reflex={self.spec.reflex!r} adjusts independent heads only; these heads are "
+                             "path-conditioned (kind='path'): set spec_reflex=None or pass independent heads")
         try:  # the engine checks heads, top-k and model support; now, not at the first rollout
             self._engine(self._policy_for_heads())
         except ValueError as err:
@@ -251,6 +254,9 @@ class SpecGRPOTrainer(GRPOTrainer):
             heads = SpeculativeHeads.from_pretrained(path)
             heads.check_compatible(policy)
             return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        shipped = self._shipped_heads(policy) if self.spec.init_heads == "distill" else None
+        if shipped is not None:
+            return shipped.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         prompts = self._distill_prompts() if self.spec.init_heads == "distill" else []
         if not prompts:
             why = ("spec_init_heads='zeros'" if self.spec.init_heads == "zeros" else
@@ -262,6 +268,26 @@ class SpecGRPOTrainer(GRPOTrainer):
                       "prompts before the first step (cached for the next run: spec_distill_cache)", stacklevel=3)
         heads = self._distill_initial_heads(prompts)
         return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+
+    def _head_kind(self) -> str:
+        """Path-conditioned heads accept the most; Reflex and the slow path work on independent heads only."""
+        return "independent" if self._spec_reflex or self.spec.consolidation is not None else "path"
+
+    def _shipped_heads(self, policy) -> SpeculativeHeads | None:
+        """The package's heads for this exact policy (same weights), when their kind suits the run's settings."""
+        from .adapt.distill_cache import find_shipped_heads
+
+        folder = find_shipped_heads(policy)
+        if folder is None:
+            return None
+        heads = SpeculativeHeads.from_pretrained(folder)
+        if heads.config.kind != "independent" and self._head_kind() == "independent":
+            logger.info("shipped heads in %s are %s heads, which Reflex / the slow path cannot use: distilling",
+                        folder, heads.config.kind)
+            return None
+        heads.check_compatible(policy)
+        logger.info("speculative heads shipped for this policy: %s", folder)
+        return heads
 
     def _distill_prompts(self) -> list[list[int]]:
         """Token ids of the first ``spec_distill_samples`` distinct prompts in the order the trainer's first batches
@@ -288,6 +314,7 @@ class SpecGRPOTrainer(GRPOTrainer):
             num_heads=self.spec.num_heads, num_samples=len(prompts), steps=self.spec.distill_steps,
             temperature=self.args.temperature, max_new_tokens=self.args.max_completion_length,
             seed=self.args.seed, batch_size=512, target_topk=16, draft_vocab_size=DISTILL_DRAFT_VOCAB,
+            kind=self._head_kind(),
             sampling_max_seconds=None if seconds is None else seconds / 2,
             max_seconds=None if seconds is None else seconds / 2,
         )

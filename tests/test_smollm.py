@@ -281,3 +281,28 @@ def test_smollm2_preset_builds_reloads_and_generates(specroll_home):
 
     bf16, _ = zoo.load_policy(PRESET, progress=False, dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_shipped_heads_load_for_the_default_policy_and_reach_their_reported_hit_rates(specroll_home):
+    from specroll_trl.adapt.distill import REPORT_FILE
+    from specroll_trl.adapt.distill_cache import policy_fingerprint
+    from specroll_trl.engine.heads import SpeculativeHeads
+    from specroll_trl.experiments import onpolicy_heads
+
+    model, _ = zoo.load_policy(PRESET, progress=False)
+    key = policy_fingerprint(model)
+    shipped = onpolicy_heads.shipped_folder(PRESET)
+    report = json.loads((shipped / REPORT_FILE).read_text())
+    assert report["policy_sha256"] == key  # the shipped heads are keyed to this very build of the policy
+    assert report["train_tokens"] >= 200_000 and report["heldout_tokens"] >= 8_000
+    assert (shipped / "model.safetensors").stat().st_size < 20e6
+    folder = zoo.build_heads(PRESET, progress=False)  # installs the shipped heads: no sampling, no distillation
+    heads = SpeculativeHeads.from_pretrained(folder)
+    assert heads.config.kind == report["kind"]
+    samples = onpolicy_heads.shipped_samples(PRESET, key)
+    assert report["sampled_tokens"] == {k: sum(len(c) for _, c in v) for k, v in samples.items()}
+    check = onpolicy_heads.heldout_slice(heads, model, samples, onpolicy_heads.onpolicy_distill_config())
+    for measured, reported in zip(check["hit_rates"], report["heldout_slice"]["hit_rates"]):
+        assert measured == pytest.approx({int(k): v for k, v in reported.items()}, abs=2e-3)
+    assert report["hit_rates"][0]["1"] > 0.4  # and the whole held-out set's figure is a real one

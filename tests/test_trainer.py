@@ -463,3 +463,29 @@ def test_distillation_time_bound_is_kept_and_the_cut_short_heads_are_reused(nano
     again = new_trainer(distill_args(tmp_path / "2", spec_distill_samples=32, spec_distill_steps=10_000,
                                      spec_distill_max_seconds=0.5), dataset)
     assert again.spec_distill_report["cache"] == "hit" and again.spec_distill_report["truncated"]
+
+
+def test_heads_shipped_for_this_exact_policy_are_used_instead_of_distilling(nano, tmp_path, dataset, monkeypatch):
+    model, _, heads = nano
+    shipped = tmp_path / "shipped" / "nano"
+    heads.save_pretrained(shipped)
+    report = {"policy_sha256": distill_cache.policy_fingerprint(model)}
+    (shipped / "distill_report.json").write_text(json.dumps(report))
+    monkeypatch.setattr(distill_cache, "SHIPPED_HEADS_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(distill_cache, "default_cache_dir", lambda: tmp_path / "home" / "heads")
+    trainer = new_trainer(distill_args(tmp_path, max_steps=1), dataset)
+    assert trainer.spec_distill_report is None  # nothing was distilled
+    assert all(torch.equal(v, trainer.spec_heads.state_dict()[k]) for k, v in heads.state_dict().items())
+    # another policy's key: the trainer distils its own heads, of the kind its settings allow
+    (shipped / "distill_report.json").write_text(json.dumps({"policy_sha256": "0" * 64}))
+    other = new_trainer(distill_args(tmp_path / "2", max_steps=1), dataset)
+    assert other.spec_distill_report is not None and other.spec_heads.config.kind == "path"
+    with_reflex = new_trainer(distill_args(tmp_path / "3", max_steps=1, spec_reflex="lookup"), dataset)
+    assert with_reflex.spec_heads.config.kind == "independent"
+
+
+def test_reflex_with_path_heads_is_refused_at_init(nano, tmp_path, dataset):
+    model = nano[0]
+    heads = SpeculativeHeads.from_model(model, num_heads=2, kind="path")
+    with pytest.raises(ValueError, match="spec_reflex='lookup' adjusts independent heads only"):
+        new_trainer(small_args(tmp_path, spec_reflex="lookup"), dataset, heads=heads)

@@ -89,3 +89,28 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
                 print(f"batch {batch:>2} nodes {n:>2}: step {1000 * step:7.1f} ms = {step / base:.2f}x a plain step",
                       flush=True)
     return records
+
+
+def plot_heads(records: list[dict], path: str | Path) -> None:
+    """tau against draft nodes per row, one line per heads set and temperature; with the step-cost records, the
+    break-even tau at each batch size (dotted)."""
+    from .plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    taus = [r for r in records if "tau" in r]
+    for name, temperature in dict.fromkeys((r["heads"], r["temperature"]) for r in taus):
+        rows = [r for r in taus if r["heads"] == name and r["temperature"] == temperature]
+        ax.plot([r["nodes"] for r in rows], [r["tau"] for r in rows], marker="o",
+                ls="-" if temperature == 0.7 else "--", label=f"{name}, T={temperature}")
+    costs = [r for r in records if "break_even_tau" in r]
+    for batch in dict.fromkeys(r["batch_size"] for r in costs):
+        rows = [r for r in costs if r["batch_size"] == batch]
+        ax.plot([r["nodes"] for r in rows], [r["break_even_tau"] for r in rows], ls=":", color="grey",
+                marker=".", label=f"break-even tau here, {batch} row{'s' * (batch > 1)}")
+    ax.set_xscale("symlog", base=2)
+    ax.set_xlabel("draft nodes per row")
+    ax.set_ylabel("tau (tokens per target forward per row)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)

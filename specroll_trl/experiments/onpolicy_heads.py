@@ -15,7 +15,14 @@ import random
 import shutil
 from pathlib import Path
 
-from ..adapt.distill import REPORT_FILE, HeadDistillConfig, distill_from_samples, save_distilled
+from ..adapt.distill import (
+    REPORT_FILE,
+    HeadDistillConfig,
+    build_stream,
+    distill_from_samples,
+    measure_heads,
+    save_distilled,
+)
 from ..adapt.distill_cache import policy_fingerprint
 from ..adapt.samples import pack_samples, read_samples, sample_to_folder
 from ..files import atomic_folder
@@ -101,14 +108,28 @@ def distill_preset_heads(model, tokenizer, out: Path, cache: Path, key: str | No
     samples = samples or sample_plan(model, tokenizer, cache, config, progress)
     heads, report = distill_from_samples(model, samples["train"], samples["heldout"], config, progress=progress,
                                          fp16_weights=True)
-    return save_preset_heads(heads, report, samples, key or policy_fingerprint(model), out)
+    return save_preset_heads(heads, report, samples, model, out, key)
 
 
-def save_preset_heads(heads, report: dict, samples: dict, key: str, out: Path) -> Path:
-    """Write heads (fp16), their report keyed by ``policy_sha256 = key``, and the samples they were fitted to."""
-    report = {**report, "policy_sha256": key, "samples": {k: len(v) for k, v in samples.items()},
+SLICE_SEQUENCES = 8  # held-out sequences whose hit rates the report keeps, for a quick check of shipped heads
+
+
+def heldout_slice(heads, model, samples: dict, config: HeadDistillConfig) -> dict:
+    """Hit rates of ``heads`` on the first ``SLICE_SEQUENCES`` held-out sequences (a check that costs seconds)."""
+    pairs = samples["heldout"][:SLICE_SEQUENCES]
+    stream = build_stream(model, pairs, config.temperature, config.target_topk)
+    return {"sequences": len(pairs), **measure_heads(heads, model, stream, config.hit_ks)}
+
+
+def save_preset_heads(heads, report: dict, samples: dict, model, out: Path, key: str | None = None) -> Path:
+    """Write heads (fp16), their report keyed by the policy's fingerprint (``key`` when already computed) with their
+    hit rates on a held-out slice, and the samples they were fitted to."""
+    heads.half().float()  # measured as saved
+    report = {**report, "policy_sha256": key or policy_fingerprint(model),
+              "heldout_slice": heldout_slice(heads, model, samples, onpolicy_distill_config()),
+              "samples": {k: len(v) for k, v in samples.items()},
               "sampled_tokens": {k: sum(len(c) for _, c in v) for k, v in samples.items()}}
     with atomic_folder(out) as tmp:
         save_distilled(heads.half(), report, tmp)
-        pack_samples(samples, tmp / SAMPLES_FILE, {"policy_sha256": key})
+        pack_samples(samples, tmp / SAMPLES_FILE, {"policy_sha256": report["policy_sha256"]})
     return out

@@ -175,11 +175,14 @@ def _bench(args) -> int:
 
 
 def _bench_heads(args, run: dict) -> int:
+    import torch
+
     from .experiments import zoo
     from .experiments.bench import write_results
     from .experiments.heads_bench import plot_heads, step_cost, tau_sweep
 
-    model, tokenizer = zoo.load_policy(args.model)
+    model, tokenizer = zoo.load_policy(args.model, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device)
     if args.heads:
         heads = dict(item.split("=", 1) if "=" in item else (Path(item).name, item) for item in args.heads)
     else:
@@ -338,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     hb.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
     hb.add_argument("--cost-batch-sizes", type=int, nargs="*", default=None,
                     help=f"batch sizes of the step-cost curve, none to skip it {says('cost_batch_sizes')}")
+    hb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    hb.add_argument("--device", default="cpu", help="device (cpu, cuda)")
 
     export = sub.add_parser("export-vllm", help="write heads as a vLLM Medusa speculator (config.json + safetensors)")
     export.add_argument("--heads", required=True, help="heads folder (e.g. a checkpoint's spec_heads/)")

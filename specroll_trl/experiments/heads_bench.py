@@ -37,10 +37,10 @@ def tau_sweep(model, tokenizer, heads: dict[str, str | Path], node_counts=(2, 4,
               progress: bool = True) -> list[dict]:
     """One record per (heads, temperature, nodes): ``tau``, ``accept_per_head``, tokens and forwards, on the same
     prompts and seed for every heads folder in ``heads`` (name -> folder)."""
-    ids, mask = left_pad(bench_prompts(tokenizer, num_prompts), tokenizer.pad_token_id)
+    ids, mask = (t.to(model.device) for t in left_pad(bench_prompts(tokenizer, num_prompts), tokenizer.pad_token_id))
     records = []
     for name, folder in heads.items():
-        loaded = SpeculativeHeads.from_pretrained(folder, dtype=model.dtype)
+        loaded = SpeculativeHeads.from_pretrained(folder, device=model.device, dtype=model.dtype)
         for temperature in temperatures:
             gc = sampling_config(model, temperature, max_new_tokens)
             for nodes in node_counts:
@@ -64,17 +64,19 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
               progress: bool = True) -> list[dict]:
     """One record per (batch size, nodes): the median seconds of one decoding step (draft + verify + commit, the
     prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat."""
-    heads = SpeculativeHeads.from_pretrained(heads_folder, dtype=model.dtype)
+    heads = SpeculativeHeads.from_pretrained(heads_folder, device=model.device, dtype=model.dtype)
     gc = sampling_config(model, temperature, max_new_tokens)
     records = []
     for batch in batch_sizes:
-        ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
+        ids, mask = (t.to(model.device) for t in left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id))
         engines = {n: SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=n) for n in node_counts}
         engines[0].generate(ids, mask, max_new_tokens=2)  # warm-up
         per_step = {n: [] for n in node_counts}
         for r in range(repeats):
             start = time.perf_counter()
             engines[0].generate(ids, mask, max_new_tokens=1)
+            if ids.is_cuda:
+                torch.cuda.synchronize()
             prefill = time.perf_counter() - start
             for n, engine in engines.items():
                 torch.manual_seed(r)

@@ -37,13 +37,14 @@ MEASURED = ROOT / "benchmarks" / "cost_model_measured.json"
 @torch.no_grad()
 def measure(model_name: str, batch: int, nodes: list[int], max_new_tokens: int, repeats: int) -> dict:
     from specroll_trl import SpeculativeGenerator
+    from specroll_trl.adapt.samples import left_pad
     from specroll_trl.experiments import zoo
-    from specroll_trl.experiments.bench import _left_pad, trl_generation_config
+    from specroll_trl.experiments.bench import trl_generation_config
 
     model, tokenizer = zoo.load_policy(model_name, progress=False)
     heads = zoo.load_heads(model_name, progress=False)
     prompts = zoo.task_prompt_ids(tokenizer, zoo.preset_task(model_name), batch, seed=99)
-    ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     gc = trl_generation_config(model, tokenizer, max_new_tokens)
     tau = {}
     for n in nodes:  # capacity chosen so that N_t = n at this batch

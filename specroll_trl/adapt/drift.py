@@ -15,7 +15,7 @@ at 150 drafted row-steps per round, block means of 4 rounds with ``patience`` 2 
 of tau (in about 5 rounds; an 8% drop in about 2) and never fired in the first 10 steady rounds, though 38% of
 the steady runs fired once in the 30 rounds after (5% at 300 row-steps per round; the best single smoothed value
 fired in 47% of runs within 10 rounds at 50 row-steps). A needless re-fit costs seconds, and its held-out check
-undoes it if it does not help. ``tests/test_slow_path.py`` replays the 300 row-steps case.
+undoes it if it does not help. ``tests/test_consolidation.py`` replays the 300 row-steps case.
 """
 
 from __future__ import annotations

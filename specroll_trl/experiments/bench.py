@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from ..adapt.samples import left_pad
 from ..engine import SpeculativeGenerator
 from .plots import pyplot, save_figure
 from .zoo import DEFAULT_PRESET, PRETRAINED, load_heads, load_policy, preset_task, preset_temperature, task_prompt_ids
@@ -30,13 +31,6 @@ def trl_generation_config(model, tokenizer, max_new_tokens: int, temperature: fl
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, temperature=temperature, top_p=1.0, top_k=0,
         min_p=None, repetition_penalty=1.0, cache_implementation=None, disable_compile=True,
     )
-
-
-def _left_pad(prompts: list[list[int]], pad: int):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 def _vanilla(model, ids, mask, gc, **generate_kwargs) -> tuple[float, int]:
@@ -75,7 +69,7 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
         }
         for batch_size in batch_sizes:
             prompts = task_prompt_ids(tokenizer, task, batch_size, seed=4242 + batch_size, conversational=chat)
-            ids, mask = (t.to(device) for t in _left_pad(prompts, tokenizer.pad_token_id))
+            ids, mask = (t.to(device) for t in left_pad(prompts, tokenizer.pad_token_id))
             wanted = {**modes, **({"assisted_prompt_lookup": None} if batch_size == 1 else {})}
             with torch.no_grad():
                 for engine in modes.values():
@@ -309,7 +303,7 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
     prompts = task_prompt_ids(tokenizer, preset_task(model_name), max(1, batch_size // group), seed=777,
                               conversational=model_name in PRETRAINED)
     prompts = [p for p in prompts for _ in range(group)][:batch_size]
-    ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     records = []
     for target_name, model in targets.items():
         gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature=preset_temperature(model_name))

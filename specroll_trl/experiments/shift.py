@@ -161,7 +161,8 @@ def _measure_shift(model_name, moved_path, heads, num_prompts, max_new_tokens, r
 
     from ..adapt.buffer import BufferCapture, HeadBuffer
     from ..adapt.consolidation import ConsolidationConfig, consolidate_heads
-    from .bench import _left_pad, trl_generation_config
+    from ..adapt.samples import left_pad
+    from .bench import trl_generation_config
     from .zoo import task_prompt_ids
 
     base, tokenizer = load_policy(model_name, progress=progress)
@@ -171,7 +172,7 @@ def _measure_shift(model_name, moved_path, heads, num_prompts, max_new_tokens, r
 
     def run(model, heads, seed: int, n: int, buffer: HeadBuffer | None = None):
         prompts = task_prompt_ids(tokenizer, preset_task(model_name), n, seed=seed, conversational=chat)
-        ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
         gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature=temperature)
         if buffer is None:  # regret only
             buffer = HeadBuffer(1, heads.num_heads, heads.config.hidden_size, 1)

@@ -16,6 +16,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
 
 import torch
 import trl
@@ -27,6 +28,7 @@ from trl.trainer.utils import pad
 from .adapt.consolidation import ConsolidationCallback, ConsolidationConfig
 from .adapt.reflex import REFLEX_PRESETS, reflex_hooks
 from .engine import GenerationStats, SpeculativeConfig, SpeculativeGenerator, StepHook
+from .engine.generator import check_topk_fits
 from .engine.heads import (
     SpeculativeHeads,
     apply_adapter_state,
@@ -134,109 +136,119 @@ class SpecGRPOConfig(GRPOConfig):
         for name in ("spec_reflex_kwargs", "spec_consolidation_kwargs"):
             if isinstance(getattr(self, name), str):  # from the command line, as TRL does with model_init_kwargs
                 setattr(self, name, json.loads(getattr(self, name)))
-        self.spec_settings()  # fail now, not at the first rollout
-
-    def spec_settings(self) -> SpecSettings:
-        """The validated speculative settings these fields describe."""
-        return SpecSettings.from_args(self)
+        check_spec_fields(self)  # fail now, not at the first rollout
 
 
-SPEC_DEFAULTS = {f.name: f.default for f in fields(SpecGRPOConfig) if f.name.startswith("spec_")}
+SPEC_FIELDS = {f.name: f.default for f in fields(SpecGRPOConfig) if f.name.startswith("spec_")}
 
 
-@dataclass(frozen=True)
-class SpecSettings:
-    """The validated speculative settings of one run, read from a config's ``spec_`` fields (defaults for a plain
-    ``GRPOConfig``). The one place they are checked: the engine's, Reflex's and the slow path's own configs
-    validate their fields."""
+def spec_fields(args) -> SimpleNamespace:
+    """The ``spec_`` fields of a training config: a ``SpecGRPOConfig``'s own (validated when it was built), the
+    defaults for a plain ``GRPOConfig``."""
+    return SimpleNamespace(**{name: getattr(args, name, default) for name, default in SPEC_FIELDS.items()})
 
-    enabled: bool
-    heads_path: str | None
-    init_heads: str
-    num_heads: int
-    distill_samples: int
-    distill_steps: int
-    distill_max_seconds: float | None
-    distill_cache: bool
-    engine: SpeculativeConfig
-    reflex: str | None
-    reflex_kwargs: dict
-    consolidation: ConsolidationConfig | None
 
-    @classmethod
-    def from_args(cls, args) -> SpecSettings:
-        spec = {name: getattr(args, name, default) for name, default in SPEC_DEFAULTS.items()}
-        if spec["spec_init_heads"] not in ("distill", "zeros"):
-            raise ValueError(f"spec_init_heads must be 'distill' or 'zeros', got {spec['spec_init_heads']!r}")
-        for name in ("spec_num_heads", "spec_distill_samples", "spec_distill_steps"):
-            value = spec[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise (ValueError if type(value) is int else TypeError)(f"{name} must be an int >= 1, got {value!r}")
-        seconds = spec["spec_distill_max_seconds"]
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
-            raise ValueError(f"spec_distill_max_seconds must be a number > 0 or None, got {seconds!r}")
-        reflex, reflex_kwargs = spec["spec_reflex"], dict(spec["spec_reflex_kwargs"] or {})
-        if reflex is not None:
-            if not isinstance(reflex, str):
-                raise TypeError(f"spec_reflex takes a preset name ({sorted(REFLEX_PRESETS)}) or None, got {reflex!r}")
-            reflex_hooks(reflex, **reflex_kwargs)  # validates the preset and its kwargs
-        elif reflex_kwargs:
+def check_spec_fields(spec) -> None:
+    """Raise ``ValueError`` / ``TypeError`` naming the ``spec_`` field whose value is invalid."""
+    if spec.spec_init_heads not in ("distill", "zeros"):
+        raise ValueError(f"spec_init_heads must be 'distill' or 'zeros', got {spec.spec_init_heads!r}")
+    for name in ("spec_num_heads", "spec_distill_samples", "spec_distill_steps"):
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise (ValueError if type(value) is int else TypeError)(f"{name} must be an int >= 1, got {value!r}")
+    seconds = spec.spec_distill_max_seconds
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+        raise ValueError(f"spec_distill_max_seconds must be a number > 0 or None, got {seconds!r}")
+    engine_config(spec)
+    reflex_hooks_of(spec)
+    consolidation_config(spec, seed=0)
+
+
+def engine_config(spec) -> SpeculativeConfig:
+    """The engine's options from the ``spec_`` fields (``SpeculativeConfig``'s messages start with its field name,
+    here the user's ``spec_`` one)."""
+    try:
+        return SpeculativeConfig(topk_per_head=spec.spec_topk_per_head, max_nodes=spec.spec_max_nodes,
+                                 capacity=spec.spec_capacity, fallback_to_generate=spec.spec_fallback_to_generate)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"spec_{err}") from err
+
+
+def reflex_hooks_of(spec) -> list[StepHook]:
+    """A fresh list of the Reflex hooks ``spec_reflex`` / ``spec_reflex_kwargs`` name (empty when Reflex is off)."""
+    preset, kwargs = spec.spec_reflex, dict(spec.spec_reflex_kwargs or {})
+    if preset is None:
+        if kwargs:
             raise ValueError("spec_reflex_kwargs given but spec_reflex is None (Reflex off)")
-        consolidation = None
-        if spec["spec_consolidation"]:
-            consolidation = ConsolidationConfig(**{"seed": getattr(args, "seed", 0),
-                                                   **(spec["spec_consolidation_kwargs"] or {})})
-        elif spec["spec_consolidation_kwargs"]:
-            raise ValueError("spec_consolidation_kwargs given but spec_consolidation is False")
-        try:
-            engine = SpeculativeConfig(topk_per_head=spec["spec_topk_per_head"], max_nodes=spec["spec_max_nodes"],
-                                       capacity=spec["spec_capacity"],
-                                       fallback_to_generate=spec["spec_fallback_to_generate"])
-        except (TypeError, ValueError) as err:  # the engine's messages start with its field name: name the user's
-            raise type(err)(f"spec_{err}") from err
-        return cls(spec["spec_enabled"], spec["spec_heads_path"], spec["spec_init_heads"], spec["spec_num_heads"],
-                   spec["spec_distill_samples"], spec["spec_distill_steps"], spec["spec_distill_max_seconds"],
-                   bool(spec["spec_distill_cache"]), engine, reflex, reflex_kwargs, consolidation)
+        return []
+    if not isinstance(preset, str):
+        raise TypeError(f"spec_reflex takes a preset name ({sorted(REFLEX_PRESETS)}) or None, got {preset!r}")
+    if preset not in REFLEX_PRESETS:
+        raise ValueError(f"spec_reflex must be one of {sorted(REFLEX_PRESETS)} or None, got {preset!r}")
+    try:
+        return reflex_hooks(preset, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"spec_reflex_kwargs: {err}") from err
 
-    def reflex_hooks(self) -> list[StepHook]:
-        return reflex_hooks(self.reflex, **self.reflex_kwargs) if self.reflex else []
+
+def consolidation_config(spec, seed: int) -> ConsolidationConfig | None:
+    """The slow path's settings (``None`` when ``spec_consolidation`` is off)."""
+    if not spec.spec_consolidation:
+        if spec.spec_consolidation_kwargs:
+            raise ValueError("spec_consolidation_kwargs given but spec_consolidation is False")
+        return None
+    try:
+        return ConsolidationConfig(**{"seed": seed, **(spec.spec_consolidation_kwargs or {})})
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"spec_consolidation_kwargs: {err}") from err
 
 
 class SpecGRPOTrainer(GRPOTrainer):
-    """Drop-in ``GRPOTrainer`` with exact speculative rollouts (same signature, plus ``heads``).
+    """Drop-in ``GRPOTrainer`` with exact speculative rollouts (same signature, plus ``heads`` and ``step_hooks``).
 
-    Overridable hooks: ``_initial_heads`` (where the heads come from), ``_build_engine`` (the generator and its
-    hooks), ``_log_spec_stats`` (what each round logs).
+    Args (besides ``GRPOTrainer``'s):
+        heads: the speculative heads (default: ``spec_heads_path``, heads shipped for this exact policy, or heads
+            distilled on the first training prompts).
+        step_hooks: your own engine step hooks (``specroll_trl.engine.StepHook``), run every generation round after
+            Reflex's hooks and before the slow path's buffer capture; each hook's ``metrics()`` are logged as
+            ``spec/<hook name>/<metric>`` and its time as ``spec/<hook name>/seconds``. Hooks change proposals
+            only: the rollouts stay exactly on-policy.
+
+    Overridable methods: ``_initial_heads`` (where the heads come from), ``_build_engine`` (the generator),
+    ``_round_hooks`` (a round's hooks), ``_log_spec_stats`` (what each round logs).
     """
 
-    def __init__(self, *args, heads: SpeculativeHeads | None = None, **kwargs):
+    def __init__(self, *args, heads: SpeculativeHeads | None = None, step_hooks: list[StepHook] | None = None,
+                 **kwargs):
+        for hook in step_hooks or []:
+            if not isinstance(hook, StepHook):
+                raise TypeError(f"step_hooks takes StepHook instances, got {type(hook).__name__}")
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        spec = SpecSettings.from_args(config) if config is not None else None
-        if heads is None and spec is not None and spec.enabled and spec.heads_path:
-            check_heads_folder(spec.heads_path)  # a bad path fails before the policy is loaded
+        spec = spec_fields(config) if config is not None else None
+        if heads is None and spec is not None and spec.spec_enabled and spec.spec_heads_path:
+            check_heads_folder(spec.spec_heads_path)  # a bad path fails before the policy is loaded
         super().__init__(*args, **kwargs)
-        self.spec = SpecSettings.from_args(self.args)
+        self.spec = spec_fields(self.args)
         self.spec_heads = heads
         self.spec_distill_report: dict | None = None  # what the initial distillation measured (when it ran)
         self._spec_engine: SpeculativeGenerator | None = None
-        self._spec_reflex = self.spec.reflex_hooks()
+        self._spec_reflex = reflex_hooks_of(self.spec)
+        self.spec_step_hooks = list(step_hooks or [])
         self.spec_consolidation: ConsolidationCallback | None = None
-        if not self.spec.enabled:
+        if not self.spec.spec_enabled:
             return
         if self.spec_heads is None:
             self.spec_heads = self._initial_heads()
         if self._spec_reflex and getattr(self.spec_heads, "reads_path", False):
-            raise ValueError(f"spec_reflex={self.spec.reflex!r} adjusts independent heads only; these heads are "
+            raise ValueError(f"spec_reflex={self.spec.spec_reflex!r} adjusts independent heads only; these heads are "
                              "path-conditioned (kind='path'): set spec_reflex=None or pass independent heads")
-        try:  # the engine checks heads, top-k and model support; now, not at the first rollout
-            self._engine(self._policy_for_heads())
-        except ValueError as err:
-            if str(err).startswith("topk_per_head"):  # name the user's field
-                raise ValueError(f"spec_{err}") from err
-            raise
-        if self.spec.consolidation is not None:
+        check_topk_fits(self.spec.spec_topk_per_head, self.spec_heads, "spec_topk_per_head")
+        # the engine checks heads and model support now, not at the first rollout
+        self._engine(self._policy_for_heads()).check_hooks(self.spec_step_hooks)
+        consolidation = consolidation_config(self.spec, self.args.seed)
+        if consolidation is not None:
             self.spec_consolidation = ConsolidationCallback(
-                self.spec_heads, self._policy_for_heads().get_output_embeddings(), self.spec.consolidation,
+                self.spec_heads, self._policy_for_heads().get_output_embeddings(), consolidation,
                 log=lambda metrics: self._log_metrics("train", metrics))
             self.add_callback(self.spec_consolidation)
 
@@ -249,21 +261,21 @@ class SpecGRPOTrainer(GRPOTrainer):
     def _initial_heads(self) -> SpeculativeHeads:
         policy = self._policy_for_heads()
         lm_head = policy.get_output_embeddings()
-        path = self.spec.heads_path
+        path = self.spec.spec_heads_path
         if path:
             heads = SpeculativeHeads.from_pretrained(path)
             heads.check_compatible(policy)
             return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-        shipped = self._shipped_heads(policy) if self.spec.init_heads == "distill" else None
+        shipped = self._shipped_heads(policy) if self.spec.spec_init_heads == "distill" else None
         if shipped is not None:
             return shipped.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-        prompts = self._distill_prompts() if self.spec.init_heads == "distill" else []
+        prompts = self._distill_prompts() if self.spec.spec_init_heads == "distill" else []
         if not prompts:
-            why = ("spec_init_heads='zeros'" if self.spec.init_heads == "zeros" else
+            why = ("spec_init_heads='zeros'" if self.spec.spec_init_heads == "zeros" else
                    "no plain prompts to distil on (environments render their own, or no 'prompt' column)")
             warnings.warn(f"SpecGRPOTrainer: no spec_heads_path given and {why}; starting from zero-initialised "
                           "heads (low acceptance until they are trained)", stacklevel=3)
-            return SpeculativeHeads.from_model(policy, num_heads=self.spec.num_heads)
+            return SpeculativeHeads.from_model(policy, num_heads=self.spec.spec_num_heads)
         warnings.warn("SpecGRPOTrainer: no spec_heads_path given; self-distilling heads on the first training "
                       "prompts before the first step (cached for the next run: spec_distill_cache)", stacklevel=3)
         heads = self._distill_initial_heads(prompts)
@@ -271,7 +283,7 @@ class SpecGRPOTrainer(GRPOTrainer):
 
     def _head_kind(self) -> str:
         """Path-conditioned heads accept the most; Reflex and the slow path work on independent heads only."""
-        return "independent" if self._spec_reflex or self.spec.consolidation is not None else "path"
+        return "independent" if self._spec_reflex or self.spec.spec_consolidation else "path"
 
     def _shipped_heads(self, policy) -> SpeculativeHeads | None:
         """The package's heads for this exact policy (same weights), when their kind suits the run's settings."""
@@ -302,16 +314,16 @@ class SpecGRPOTrainer(GRPOTrainer):
             rows = iter(dataset)
         else:
             rows = (dataset[i] for i in dict.fromkeys(self._get_train_sampler(dataset)))
-        prompts = [row["prompt"] for row in itertools.islice(rows, self.spec.distill_samples) if "prompt" in row]
+        prompts = [row["prompt"] for row in itertools.islice(rows, self.spec.spec_distill_samples) if "prompt" in row]
         return [list(ids) for ids in self._tokenize_prompts(prompts)[0]] if prompts else []
 
     def _distill_initial_heads(self, prompts: list[list[int]]) -> SpeculativeHeads:
         from .adapt.distill import HeadDistillConfig
         from .adapt.distill_cache import cached_distill_heads, default_cache_dir
 
-        seconds = self.spec.distill_max_seconds
+        seconds = self.spec.spec_distill_max_seconds
         config = HeadDistillConfig(
-            num_heads=self.spec.num_heads, num_samples=len(prompts), steps=self.spec.distill_steps,
+            num_heads=self.spec.spec_num_heads, num_samples=len(prompts), steps=self.spec.spec_distill_steps,
             temperature=self.args.temperature, max_new_tokens=self.args.max_completion_length,
             seed=self.args.seed, batch_size=512, target_topk=16, draft_vocab_size=DISTILL_DRAFT_VOCAB,
             kind=self._head_kind(),
@@ -324,7 +336,7 @@ class SpecGRPOTrainer(GRPOTrainer):
         policy.eval()
         try:
             heads, report = cached_distill_heads(policy, prompts, self._tokenizer.pad_token_id, config,
-                                                 default_cache_dir() if self.spec.distill_cache else None,
+                                                 default_cache_dir() if self.spec.spec_distill_cache else None,
                                                  progress=not self.args.disable_tqdm)
         finally:
             for n, p in policy.named_parameters():
@@ -342,13 +354,15 @@ class SpecGRPOTrainer(GRPOTrainer):
         return self._spec_engine
 
     def _build_engine(self, model) -> SpeculativeGenerator:
-        return SpeculativeGenerator(model, self.spec_heads, self.generation_config, config=self.spec.engine)
+        return SpeculativeGenerator(model, self.spec_heads, self.generation_config, config=engine_config(self.spec))
 
     def _round_hooks(self, training: bool) -> list[StepHook]:
-        """This round's engine hooks: Reflex's, then the slow path's capture on training rounds."""
+        """This round's engine hooks, in order: Reflex's, the user's ``step_hooks``, then the slow path's capture on
+        training rounds."""
+        hooks = [*self._spec_reflex, *self.spec_step_hooks]
         if training and self.spec_consolidation is not None:
-            return [*self._spec_reflex, self.spec_consolidation.capture]
-        return self._spec_reflex
+            hooks.append(self.spec_consolidation.capture)
+        return hooks
 
     def _custom_generate(self) -> bool:
         """True when the policy's ``generate`` was replaced (patched on the instance, as tests that mock it do, or
@@ -359,7 +373,7 @@ class SpecGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ the one overridden TRL hook
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if (not self.spec.enabled or self.use_vllm or self.use_transformers_continuous_batching
+        if (not self.spec.spec_enabled or self.use_vllm or self.use_transformers_continuous_batching
                 or images is not None and any(img is not None for img in images) or multimodal_fields
                 or has_tool_images or self._custom_generate()):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
@@ -399,9 +413,12 @@ class SpecGRPOTrainer(GRPOTrainer):
         metrics = {"spec/tau": stats.tau, "spec/generation_seconds": seconds,
                    "spec/tokens_per_s": stats.tokens / max(seconds, 1e-9), "spec/forwards": float(stats.forwards),
                    "spec/tree_nodes_per_row": sum(nodes) / len(nodes), "spec/active_rows": sum(active) / len(active)}
-        for key in ("reflex_gate", "reflex_norm", "reflex_lookup_hit", "reflex_seconds", "capture_seconds"):
-            if key in stats:
-                metrics[f"spec/{key}"] = float(stats[key])
+        for name, seconds in stats.hook_seconds.items():
+            metrics[f"spec/{name}/seconds"] = seconds
+        for name, values in stats.hook_metrics.items():
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    metrics[f"spec/{name}/{key}"] = float(value)
         for d, rate in enumerate(stats.accept_per_head):
             metrics[f"spec/accept_head_{d + 1}"] = rate
         self._log_metrics("train" if self.model.training else "eval", metrics)

@@ -395,6 +395,7 @@ def test_trainer_with_peft_heads_saves_merged_heads_and_adapter(nano, tmp_path, 
 
 def test_every_consolidation_field_is_reachable_from_the_trainer_config(tmp_path):
     from specroll_trl import SpecGRPOConfig
+    from specroll_trl.trainer import consolidation_config
 
     chosen = dict(trigger="every_round", delta=0.1, delta_r=0.2, patience=2, cooldown=1, window=3,
                   buffer_size=1000, buffer_topk=4, min_buffer=10, steps=3, max_seconds=5.0, batch_size=32, lr=1e-3,
@@ -402,7 +403,7 @@ def test_every_consolidation_field_is_reachable_from_the_trainer_config(tmp_path
     assert set(chosen) | {"seed"} == {f.name for f in dataclasses.fields(ConsolidationConfig)}
     args = SpecGRPOConfig(output_dir=str(tmp_path), bf16=False, seed=7, spec_consolidation=True,
                           spec_consolidation_kwargs=chosen)
-    assert args.spec_settings().consolidation == ConsolidationConfig(**chosen, seed=7)
+    assert consolidation_config(args, seed=7) == ConsolidationConfig(**chosen, seed=7)
     with pytest.raises(TypeError, match="unknown_field"):
         SpecGRPOConfig(output_dir=str(tmp_path), bf16=False, spec_consolidation=True,
                        spec_consolidation_kwargs={"unknown_field": 1})

@@ -18,6 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads
 from specroll_trl.adapt import distill_cache
+from specroll_trl.engine import StepHook
 from specroll_trl.experiments import zoo
 from specroll_trl.experiments.rewards import REWARD_FUNCS
 from specroll_trl.experiments.tasks import make_arithmetic_task
@@ -101,7 +102,7 @@ def test_peft_policy(nano, tmp_path, dataset):
 def test_reflex_metrics_are_logged(nano, tmp_path, dataset):
     trainer = run(SpecGRPOTrainer, small_args(tmp_path, spec_reflex="baseline", max_steps=1), dataset)
     row = next(r for r in trainer.state.log_history if "loss" in r)
-    assert 0.0 <= row["spec/reflex_gate"] <= 1.0 and row["spec/reflex_norm"] >= 0.0
+    assert 0.0 <= row["spec/reflex/reflex_gate"] <= 1.0 and row["spec/reflex/reflex_norm"] >= 0.0
 
 
 def test_a_patched_generate_is_honoured(nano, tmp_path, dataset):
@@ -165,12 +166,17 @@ def test_spec_disabled_uses_trl_generate(nano, tmp_path, dataset):
         (dict(spec_num_heads=None), TypeError, "spec_num_heads must be an int"),
         (dict(spec_capacity=True), TypeError, "spec_capacity must be an int"),
         (dict(spec_init_heads="random"), ValueError, "spec_init_heads"),
-        (dict(spec_reflex="baseline", spec_reflex_kwargs={"lam": 2.0}), ValueError, "lam"),
-        (dict(spec_reflex="baseline", spec_reflex_kwargs={"rho_decay": 1.0}), ValueError, "rho_decay"),
-        (dict(spec_reflex="baseline", spec_reflex_kwargs={"eta": -1.0}), ValueError, "eta"),
-        (dict(spec_reflex="baseline", spec_reflex_kwargs={"support_k": 0}), ValueError, "support_k"),
-        (dict(spec_reflex="baseline", spec_reflex_kwargs={"rho_min": 1.5}), ValueError, "rho_min"),
-        (dict(spec_reflex="no-such-preset"), ValueError, "unknown Reflex preset|preset"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"lam": 2.0}), ValueError, "spec_reflex_kwargs: .*lam"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"rho_decay": 1.0}), ValueError,
+         "spec_reflex_kwargs: .*rho_decay"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"eta": -1.0}), ValueError, "spec_reflex_kwargs: .*eta"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"support_k": 0}), ValueError,
+         "spec_reflex_kwargs: .*support_k"),
+        (dict(spec_reflex="baseline", spec_reflex_kwargs={"rho_min": 1.5}), ValueError,
+         "spec_reflex_kwargs: .*rho_min"),
+        (dict(spec_reflex="no-such-preset"), ValueError, "spec_reflex must be one of"),
+        (dict(spec_consolidation=True, spec_consolidation_kwargs={"delta": -1}), ValueError,
+         "spec_consolidation_kwargs: "),
     ],
     ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None,
 )
@@ -489,3 +495,50 @@ def test_reflex_with_path_heads_is_refused_at_init(nano, tmp_path, dataset):
     heads = SpeculativeHeads.from_model(model, num_heads=2, kind="path")
     with pytest.raises(ValueError, match="spec_reflex='lookup' adjusts independent heads only"):
         new_trainer(small_args(tmp_path, spec_reflex="lookup"), dataset, heads=heads)
+
+
+class FlippedProposals(StepHook):
+    """A user's hook: proposes the heads' least likely tokens (deterministically) and counts what it sees."""
+
+    name = "mine"
+
+    def __init__(self):
+        self.starts, self.row_steps = 0, 0
+
+    def start(self, context):
+        self.starts += 1
+
+    def adjust_logprobs(self, rows, logp):
+        return torch.log_softmax(logp.flip(-1), dim=-1)
+
+    def feedback(self, step):
+        self.row_steps += len(step.rows)
+
+    def metrics(self):
+        return {"row_steps": float(self.row_steps), "not_a_number": [1, 2]}
+
+
+class RecordingTrainer(SpecGRPOTrainer):
+    def _generate_single_turn(self, *args, **kwargs):
+        out = super()._generate_single_turn(*args, **kwargs)
+        self.rollouts = [*getattr(self, "rollouts", []), out[0]]
+        return out
+
+
+def test_your_step_hooks_run_every_round_log_their_metrics_and_keep_rollouts_exact(nano, tmp_path, dataset):
+    hook = FlippedProposals()
+    mine = run(RecordingTrainer, small_args(tmp_path, max_steps=2), dataset, step_hooks=[hook])
+    plain = run(RecordingTrainer, small_args(tmp_path / "2", max_steps=2), dataset)
+    assert hook.starts == len(mine.rollouts) == 2  # one generation round per step here
+    # one uniform per completion position decides each token, whatever the tree: same seed, same rollouts
+    assert mine.rollouts == plain.rollouts
+    rows = [r for r in mine.state.log_history if "loss" in r]
+    assert len(rows) == 2 and all(r["spec/mine/row_steps"] > 0 and r["spec/mine/seconds"] > 0 for r in rows)
+    assert not any("not_a_number" in key for r in rows for key in r)
+    plain_tau = [r["spec/tau"] for r in plain.state.log_history if "loss" in r]
+    assert max(r["spec/tau"] for r in rows) < min(plain_tau)  # its proposals really were the ones verified
+
+
+def test_step_hooks_must_be_hooks(nano, tmp_path, dataset):
+    with pytest.raises(TypeError, match="step_hooks takes StepHook instances"):
+        new_trainer(small_args(tmp_path), dataset, step_hooks=[lambda step: None])

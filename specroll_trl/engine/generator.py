@@ -100,7 +100,8 @@ class GenerationStats(Mapping):
         capacity: ``C_hw`` of a fixed budget (``None``: the online budget).
         fallback: the call went through ``model.generate`` (``reason`` says why).
         hook_seconds: wall time spent in each hook, by hook name.
-        hook_metrics: what the hooks' ``metrics()`` returned.
+        hook_metrics: what each hook's ``metrics()`` returned, by hook name (hooks sharing a name merge); the mapping
+            view lists every metric by its own name too (``stats["reflex_gate"]``).
     """
 
     tau: float = 1.0
@@ -123,7 +124,9 @@ class GenerationStats(Mapping):
 
     def as_dict(self) -> dict:
         flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hook_seconds", "hook_metrics")}
-        flat.update({f"{name}_seconds": s for name, s in self.hook_seconds.items()}, **self.hook_metrics)
+        flat.update({f"{name}_seconds": s for name, s in self.hook_seconds.items()})
+        for metrics in self.hook_metrics.values():
+            flat.update(metrics)
         return flat
 
     def __getitem__(self, key: str):
@@ -211,6 +214,14 @@ class Verification:
     probs: torch.Tensor  # [B_t, n, V] the distribution each sample came from
 
 
+def check_topk_fits(topk_per_head: int, heads: SpeculativeHeads, name: str = "topk_per_head") -> None:
+    """Raise ``ValueError`` (naming the option ``name``) when the heads cannot propose ``topk_per_head`` tokens."""
+    proposable = heads.config.draft_vocab_size or heads.config.vocab_size
+    if topk_per_head > proposable:
+        what = "heads' draft vocabulary" if heads.config.draft_vocab_size else "model's vocab"
+        raise ValueError(f"{name} ({topk_per_head}) exceeds the {what} size ({proposable})")
+
+
 class SpeculativeGenerator:
     """Exact batched speculative sampling with Medusa-style heads and sparse, budgeted trees."""
 
@@ -225,10 +236,7 @@ class SpeculativeGenerator:
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
         self.lm_head = lm_head_of(model)
         heads.check_compatible(model)
-        proposable = heads.config.draft_vocab_size or heads.config.vocab_size
-        if self.config.topk_per_head > proposable:
-            what = "heads' draft vocabulary" if heads.config.draft_vocab_size else "model's vocab"
-            raise ValueError(f"topk_per_head ({self.config.topk_per_head}) exceeds the {what} size ({proposable})")
+        check_topk_fits(self.config.topk_per_head, heads)
         self.table = PathTable.build(heads.num_heads, self.config.topk_per_head)
         self.embed = model.get_input_embeddings() if heads.reads_path else None
         self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
@@ -243,12 +251,13 @@ class SpeculativeGenerator:
             self.supported_error = str(err)
             logger.warning("speculative engine falls back to model.generate: %s", err)
 
-    def _check_hooks(self) -> None:
-        """Path heads propose depth by depth, from a different ``z`` per frontier node: the per-head ``adjust`` /
-        ``adjust_logprobs`` protocol (Reflex) has nothing to act on, so such hooks are refused, not ignored."""
+    def check_hooks(self, hooks: list[StepHook]) -> None:
+        """Raise ``ValueError`` for hooks these heads cannot honour. Path heads propose depth by depth, from a
+        different ``z`` per frontier node: the per-head ``adjust`` / ``adjust_logprobs`` protocol (Reflex) has nothing
+        to act on, so such hooks are refused, not ignored."""
         if not self.heads.reads_path:
             return
-        for hook in self.hooks:
+        for hook in hooks:
             for method in ("adjust", "adjust_logprobs"):
                 if getattr(type(hook), method) is not getattr(StepHook, method):
                     raise ValueError(f"hook {hook.name!r} overrides StepHook.{method}, which path-conditioned heads "
@@ -304,7 +313,7 @@ class SpeculativeGenerator:
                 warnings.warn(f"speculative engine: generation option(s) {err.options} cannot be reproduced per "
                               "tree node; these calls use model.generate", stacklevel=2)
             return self._fallback(input_ids, attention_mask, gen, max_new, start, reason=str(err))
-        self._check_hooks()
+        self.check_hooks(self.hooks)
         stats = GenerationStats(capacity=self.config.capacity)
         state = self._prefill(input_ids, attention_mask, target, stats)
         hooks = TimedHooks(self.hooks, stats)
@@ -484,7 +493,7 @@ class SpeculativeGenerator:
         stats.accept_per_head = (state.accepted_at_depth.double() / max(1, stats.drafted_row_steps)).tolist()
         hooks.call("finish", state.done_len)
         for hook in self.hooks:
-            stats.hook_metrics.update(hook.metrics())
+            stats.hook_metrics.setdefault(hook.name, {}).update(hook.metrics())
         stats.seconds = time.perf_counter() - start
         return GenerationOutput(completions, logprobs, stats)
 

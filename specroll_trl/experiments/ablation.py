@@ -91,8 +91,8 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
     refit_s = callback.seconds if callback else 0.0
     gen_s = sum(trainer.generation_seconds)
     step_s = sum(trainer.timer.step_seconds) + refit_s  # re-fits run in on_step_end, after the step timer
-    reflex_s = sum(r.get("spec/reflex_seconds", 0.0) for r in rows)
-    capture_s = sum(r.get("spec/capture_seconds", 0.0) for r in rows)
+    reflex_s = sum(r.get("spec/reflex/seconds", 0.0) for r in rows)
+    capture_s = sum(r.get("spec/capture/seconds", 0.0) for r in rows)
     return {
         "variant": variant, "steps": steps, "learning_rate": learning_rate,
         "rows_per_round": num_generations * prompts_per_step, "max_completion_length": max_completion_length,
@@ -100,8 +100,8 @@ def grpo_run(variant: str, model_path: str, heads_path: str | None, dataset, ove
         "accept_per_head": [statistics.mean(r[k] for r in rows) for k in heads],
         "accept_per_round": [[r[k] for k in heads] for r in rows],
         "nodes_per_row": statistics.mean(r.get("spec/tree_nodes_per_row", 0.0) for r in rows),
-        "reflex_gate": statistics.mean(r.get("spec/reflex_gate", 0.0) for r in rows),
-        "reflex_lookup_hit": statistics.mean(r.get("spec/reflex_lookup_hit", 0.0) for r in rows),
+        "reflex_gate": statistics.mean(r.get("spec/reflex/reflex_gate", 0.0) for r in rows),
+        "reflex_lookup_hit": statistics.mean(r.get("spec/reflex/reflex_lookup_hit", 0.0) for r in rows),
         "generation_s": gen_s, "total_s": step_s, "generation_s_per_step": trainer.generation_seconds,
         "step_s_per_step": trainer.timer.step_seconds, "reflex_overhead_share": reflex_s / gen_s if gen_s else 0.0,
         "capture_overhead_share": capture_s / gen_s if gen_s else 0.0,

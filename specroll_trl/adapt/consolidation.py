@@ -160,50 +160,81 @@ def refresh_draft_vocab(heads, lm_head: torch.nn.Module, tokens: torch.Tensor, m
 
 def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: HeadBuffer,
                       config: ConsolidationConfig | None = None) -> ConsolidationReport:
-    """Re-fit ``heads``' trainable parameters on ``buffer``; restore them if anything goes wrong."""
+    """Re-fit ``heads``' trainable parameters on ``buffer``; restore them if anything goes wrong.
+
+    Steps: refuse or skip (no trainable parameters, too few tuples); split the buffer into train and held-out
+    tuples; refresh the draft vocabulary; fit; keep the new heads only if the held-out loss fell. Any error, or
+    non-finite parameters, restores the previous heads (draft vocabulary included)."""
     refuse_path_heads(heads)
     config = config or ConsolidationConfig()
     start = time.perf_counter()
-    params = [p for p in heads.parameters() if p.requires_grad]
-    if not params:
-        return ConsolidationReport(False, skipped=True, reason="heads have no trainable parameters")
-    if len(buffer) < config.min_buffer:
-        return ConsolidationReport(False, skipped=True,
-                                   reason=f"buffer holds {len(buffer)} tuples, fewer than {config.min_buffer}")
+    refit = _Refit(heads, lm_head, buffer, config)
+    if refit.skip_reason:
+        return ConsolidationReport(False, skipped=True, reason=refit.skip_reason)
     backup = {k: v.detach().clone() for k, v in heads.state_dict().items()}  # draft_ids included
-    anchor = [p.detach().clone() for p in params]
-    weight = lm_head.weight
-    device = weight.device
-    generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(len(buffer), generator=generator)
-    cut = int(len(buffer) * config.holdout_fraction)
-    held, train = order[:cut], order[cut:]
-    realised = buffer.tokens[train, 0][buffer.valid[train, 0]]  # head 1's targets: each committed token once
-    swapped = refresh_draft_vocab(heads, lm_head, realised, config.vocab_refresh)
-    projection = heads.projection(lm_head)  # the shared lm_head: read, never updated
-
-    def on_device(batch):
-        batch = [t.to(device) for t in batch]
-        batch[0] = batch[0].to(weight.dtype)
-        return batch
-
-    def heldout_loss() -> float:
-        with torch.no_grad():
-            return float(consolidation_loss(heads, projection, on_device(buffer.take(held[:4096])), config.lambda_nll))
-
-    optimizer = torch.optim.Adam(params, lr=config.lr)
+    realised = buffer.tokens[refit.train, 0][buffer.valid[refit.train, 0]]  # head 1's targets: each token once
+    report = ConsolidationReport(True, vocab_swapped=refresh_draft_vocab(heads, lm_head, realised,
+                                                                         config.vocab_refresh))
     was_training = heads.training
     heads.train()
-    report = ConsolidationReport(True, vocab_swapped=swapped)
     try:
-        if len(held):
-            report.heldout_before = heldout_loss()
+        report.heldout_before = refit.heldout_loss()
+        refit.fit(report, deadline=start + config.max_seconds)
+        refit.judge(report, backup)
+    except (FloatingPointError, RuntimeError, ValueError, torch.OutOfMemoryError) as err:
+        heads.load_state_dict(backup)
+        report = ConsolidationReport(False, steps=report.steps, reason=f"{type(err).__name__}: {err}")
+        logger.warning("head consolidation failed, previous heads restored: %s", report.reason)
+    finally:
+        for p in refit.params:
+            p.grad = None
+        heads.train(was_training)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+class _Refit:
+    """One consolidation's data and optimisation: the buffer split into train / held-out tuples, the proximal
+    anchor, and the fitting loop."""
+
+    def __init__(self, heads, lm_head, buffer: HeadBuffer, config: ConsolidationConfig):
+        self.heads, self.buffer, self.config = heads, buffer, config
+        self.params = [p for p in heads.parameters() if p.requires_grad]
+        self.skip_reason = ("heads have no trainable parameters" if not self.params else
+                            f"buffer holds {len(buffer)} tuples, fewer than {config.min_buffer}"
+                            if len(buffer) < config.min_buffer else "")
+        self.weight = lm_head.weight
+        self.generator = torch.Generator().manual_seed(config.seed)
+        order = torch.randperm(len(buffer), generator=self.generator)
+        cut = int(len(buffer) * config.holdout_fraction)
+        self.held, self.train = order[:cut], order[cut:]
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.lm_head = lm_head
+
+    def _on_device(self, batch):
+        batch = [t.to(self.weight.device) for t in batch]
+        batch[0] = batch[0].to(self.weight.dtype)
+        return batch
+
+    def heldout_loss(self) -> float:
+        """The fit loss on (up to 4,096) held-out tuples; NaN without a held-out split."""
+        if not len(self.held):
+            return math.nan
+        projection = self.heads.projection(self.lm_head)  # after the vocabulary refresh
+        with torch.no_grad():
+            batch = self._on_device(self.buffer.take(self.held[:4096]))
+            return float(consolidation_loss(self.heads, projection, batch, self.config.lambda_nll))
+
+    def fit(self, report: ConsolidationReport, deadline: float) -> None:
+        """``config.steps`` Adam steps (or until ``deadline``) on the fit loss plus the proximal penalty."""
+        config, params = self.config, self.params
+        projection = self.heads.projection(self.lm_head)  # the shared lm_head: read, never updated
+        optimizer = torch.optim.Adam(params, lr=config.lr)
         with torch.enable_grad():
             for step in range(config.steps):
-                batch = on_device(buffer.sample(config.batch_size, generator, among=train))
-                fit = consolidation_loss(heads, projection, batch, config.lambda_nll)
-                proximal = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-                loss = fit + config.mu * proximal
+                batch = self._on_device(self.buffer.sample(config.batch_size, self.generator, among=self.train))
+                fit = consolidation_loss(self.heads, projection, batch, config.lambda_nll)
+                loss = fit + config.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, self.anchor))
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"consolidation loss is {float(loss.detach())} at step {step}")
                 if step == 0:
@@ -211,31 +242,21 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                report.steps = step + 1
-                report.loss_after = float(fit.detach())
-                if time.perf_counter() - start > config.max_seconds:
+                report.steps, report.loss_after = step + 1, float(fit.detach())
+                if time.perf_counter() > deadline:
                     break
-        for p in params:
-            if not torch.isfinite(p).all():
-                raise FloatingPointError("consolidation produced non-finite head parameters")
-        report.param_step = float(sum(((p.detach() - a) ** 2).sum() for p, a in zip(params, anchor)).sqrt())
-        if len(held):
-            report.heldout_after = heldout_loss()
-            if not report.heldout_after < report.heldout_before:
-                heads.load_state_dict(backup)
-                report.ok, report.rejected = False, True
-                report.reason = (f"held-out loss did not improve ({report.heldout_before:.4f} -> "
-                                 f"{report.heldout_after:.4f}); previous heads kept")
-    except (FloatingPointError, RuntimeError, ValueError, torch.OutOfMemoryError) as err:
-        heads.load_state_dict(backup)
-        report = ConsolidationReport(False, steps=report.steps, reason=f"{type(err).__name__}: {err}")
-        logger.warning("head consolidation failed, previous heads restored: %s", report.reason)
-    finally:
-        for p in params:
-            p.grad = None
-        heads.train(was_training)
-    report.seconds = time.perf_counter() - start
-    return report
+        if not all(torch.isfinite(p).all() for p in params):
+            raise FloatingPointError("consolidation produced non-finite head parameters")
+        report.param_step = float(sum(((p.detach() - a) ** 2).sum() for p, a in zip(params, self.anchor)).sqrt())
+
+    def judge(self, report: ConsolidationReport, backup: dict) -> None:
+        """Keep the new heads only if their held-out loss fell (a re-fit that memorised recent tuples is undone)."""
+        report.heldout_after = self.heldout_loss()
+        if len(self.held) and not report.heldout_after < report.heldout_before:
+            self.heads.load_state_dict(backup)
+            report.ok, report.rejected = False, True
+            report.reason = (f"held-out loss did not improve ({report.heldout_before:.4f} -> "
+                             f"{report.heldout_after:.4f}); previous heads kept")
 
 
 class ConsolidationCallback(TrainerCallback):

@@ -1,10 +1,11 @@
 """Sparse, concurrency-aware draft trees.
 
-Candidates at depth ``d`` come from head ``d``'s top-k. Every candidate path up to depth ``H`` is
-enumerated once into a static table; per step and per row, a path's score is the product of its head
-probabilities, and the best ``N_t`` paths are kept. Scores only shrink along a path (strictly, thanks to a
-tiny depth penalty), so the top-``N_t`` set is closed under parent. Node 0 of every tree is the root (the
-token sampled at the end of the previous step).
+Candidates at depth ``d`` come from head ``d``'s top-k. A node's score is the product of the head probabilities
+along its path; scores only shrink along a path (strictly, thanks to a tiny depth penalty), so the best ``N_t``
+candidates of a row form a tree closed under parent (``tree_from_nodes``). Independent heads: every candidate
+path up to depth ``H`` is enumerated once into a static table (``select_tree``). Path-conditioned heads: the
+candidates are grown depth by depth, each depth's head run once over the best nodes of the depth above
+(``grow_tree``). Node 0 of every tree is the root (the token sampled at the end of the previous step).
 """
 
 from __future__ import annotations
@@ -92,38 +93,20 @@ def select_tree(root: torch.Tensor, topk_ids: torch.Tensor | None, topk_logp: to
         empty = torch.zeros((batch, 1), dtype=torch.long, device=device)
         return DraftTree(root[:, None], empty, empty - 1, torch.ones((batch, 1, 1), dtype=torch.bool, device=device),
                          root[:, None, None].expand(batch, 1, num_heads + 1).clone())
-    num_nodes = min(num_nodes, table.depth.numel())
-    on_path = table.choice >= 0  # [P, H]
-    rank = table.choice.clamp(min=0)
-    head = torch.arange(num_heads, device=device)
-    # [B, P, H]: log-prob of the path's choice at each depth, 0 past its depth
-    step_logp = topk_logp[:, head[None, :], rank] * on_path
-    step_tok = topk_ids[:, head[None, :], rank]
-    score = step_logp.sum(-1) - 1e-6 * table.depth  # strict decrease along a path
-    picked = score.topk(num_nodes, dim=-1).indices  # [B, N], parents precede children (higher score)
-    picked_sorted, _ = picked.sort(dim=-1)  # table order also lists parents first; keeps trees canonical
-    path_len = table.depth[picked_sorted]  # [B, N]
+    tokens, score = path_candidates(topk_ids, topk_logp, table)
+    return tree_from_nodes(root, tokens, table.parent.expand(batch, -1), table.depth.expand(batch, -1), score,
+                           num_nodes, num_heads)
 
-    tokens = torch.cat([root[:, None], step_tok.gather(1, picked_sorted[..., None].expand(-1, -1, num_heads))
-                        .gather(2, (path_len - 1)[..., None]).squeeze(-1)], dim=1)
-    # node index of each picked path's parent inside this row's tree (0 = root)
-    lookup = torch.zeros((batch, table.depth.numel()), dtype=torch.long, device=device)
-    lookup.scatter_(1, picked_sorted, torch.arange(1, num_nodes + 1, device=device).expand(batch, -1))
-    parent_path = table.parent[picked_sorted]
-    parent = torch.where(parent_path >= 0, lookup.gather(1, parent_path.clamp(min=0)), 0)
-    parent = torch.cat([torch.full((batch, 1), -1, device=device, dtype=torch.long), parent], dim=1)
 
-    anc = torch.zeros((batch, num_nodes + 1, num_nodes + 1), dtype=torch.bool, device=device)
-    anc[:, :, 0] = True
-    sub = table.ancestors[picked_sorted[:, :, None], picked_sorted[:, None, :]]  # [B, N, N]
-    anc[:, 1:, 1:] = sub
-    depth = torch.cat([torch.zeros((batch, 1), dtype=torch.long, device=device), path_len], dim=1)
-
-    picked_tok = step_tok.gather(1, picked_sorted[..., None].expand(-1, -1, num_heads))  # [B, N, H]
-    picked_tok = torch.where(on_path[picked_sorted], picked_tok, root[:, None, None])
-    path_tokens = torch.cat([root[:, None, None].expand(batch, num_nodes, 1), picked_tok], dim=2)
-    root_path = root[:, None, None].expand(batch, 1, num_heads + 1)
-    return DraftTree(tokens, depth, parent, anc, torch.cat([root_path, path_tokens], dim=1), score)
+def path_candidates(topk_ids: torch.Tensor, topk_logp: torch.Tensor, table: PathTable):
+    """Every path of the table, per row: its last token ``[B, P]`` and its score ``[B, P]``, the sum of its head
+    log-probabilities less a tiny depth penalty (so a child always scores strictly below its parent)."""
+    num_heads = table.choice.shape[1]
+    on_path, rank = table.choice >= 0, table.choice.clamp(min=0)  # [P, H]
+    head = torch.arange(num_heads, device=topk_ids.device)[None, :]
+    score = (topk_logp[:, head, rank] * on_path).sum(-1) - 1e-6 * table.depth
+    last = topk_ids[:, head, rank].gather(2, (table.depth - 1)[None, :, None].expand(topk_ids.shape[0], -1, 1))
+    return last.squeeze(2), score
 
 
 @dataclass

@@ -39,7 +39,7 @@ def measure(model_name: str, batch: int, nodes: list[int], max_new_tokens: int, 
     from specroll_trl import SpeculativeGenerator
     from specroll_trl.adapt.samples import left_pad
     from specroll_trl.experiments import zoo
-    from specroll_trl.experiments.bench import trl_generation_config
+    from specroll_trl.experiments.zoo import trl_generation_config
 
     model, tokenizer = zoo.load_policy(model_name, progress=False)
     heads = zoo.load_heads(model_name, progress=False)

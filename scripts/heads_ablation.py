@@ -46,7 +46,7 @@ FIELDS = ("hidden", "ids", "anchor_ok", "seq_end", "top_ids", "top_probs")
 def cached_stream(model, pairs, config, path: Path) -> TokenStream:
     if path.is_file():
         tensors = load_file(str(path))
-        return TokenStream(*(tensors[f] for f in FIELDS))
+        return TokenStream(**{f: tensors[f] for f in FIELDS})
     stream = build_stream(model, pairs, config.temperature, config.target_topk, progress=True, desc=path.stem)
     save_file({f: getattr(stream, f).contiguous() for f in FIELDS}, str(path))
     return stream

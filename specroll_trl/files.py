@@ -1,4 +1,5 @@
-"""Writing into a cache (the zoo's policies, distilled heads): a folder appears whole or not at all."""
+"""The local cache: where it is (``$SPECROLL_HOME``), and writing into it so that a folder appears whole or not at
+all (the zoo's policies, distilled heads)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def specroll_home() -> Path:
+    """Root of the local cache: ``$SPECROLL_HOME``, default ``~/.cache/specroll_trl``."""
+    return Path(os.environ.get("SPECROLL_HOME", Path.home() / ".cache" / "specroll_trl")).expanduser()
 
 
 @contextmanager

@@ -67,3 +67,40 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "trainer needs trl" in out.stdout and out.stdout.strip().endswith("ok")
+
+
+def lab_import_graph() -> dict[str, set[str]]:
+    """Which modules of ``experiments/`` each one imports (at the top or inside a function)."""
+    lab = PACKAGE / "experiments"
+    graph = {}
+    for path in lab.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+                found |= {name for name in names if (lab / f"{name}.py").is_file()}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specroll_trl.experiments."):
+                found.add(node.module.split(".")[2])
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def test_the_lab_has_no_import_cycles():
+    graph = lab_import_graph()
+    assert graph["bench"] and graph["zoo"], "the graph reads the lab's imports"
+    done, on_path = set(), []
+
+    def visit(module):
+        if module in on_path:
+            raise AssertionError(f"import cycle in experiments/: {' -> '.join(on_path[on_path.index(module):])} -> "
+                                 f"{module}")
+        if module in done:
+            return
+        on_path.append(module)
+        for dep in sorted(graph[module]):
+            visit(dep)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)

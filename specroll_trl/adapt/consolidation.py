@@ -170,10 +170,10 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
     start = time.perf_counter()
     refit = _Refit(heads, lm_head, buffer, config)
     if refit.skip_reason:
-        return ConsolidationReport(False, skipped=True, reason=refit.skip_reason)
+        return ConsolidationReport(ok=False, skipped=True, reason=refit.skip_reason)
     backup = {k: v.detach().clone() for k, v in heads.state_dict().items()}  # draft_ids included
     realised = buffer.tokens[refit.train, 0][buffer.valid[refit.train, 0]]  # head 1's targets: each token once
-    report = ConsolidationReport(True, vocab_swapped=refresh_draft_vocab(heads, lm_head, realised,
+    report = ConsolidationReport(ok=True, vocab_swapped=refresh_draft_vocab(heads, lm_head, realised,
                                                                          config.vocab_refresh))
     was_training = heads.training
     heads.train()
@@ -183,7 +183,7 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
         refit.judge(report, backup)
     except (FloatingPointError, RuntimeError, ValueError, torch.OutOfMemoryError) as err:
         heads.load_state_dict(backup)
-        report = ConsolidationReport(False, steps=report.steps, reason=f"{type(err).__name__}: {err}")
+        report = ConsolidationReport(ok=False, steps=report.steps, reason=f"{type(err).__name__}: {err}")
         logger.warning("head consolidation failed, previous heads restored: %s", report.reason)
     finally:
         for p in refit.params:

@@ -114,9 +114,9 @@ class TokenStream:
     @staticmethod
     def concat(streams: list[TokenStream]) -> TokenStream:
         offsets = torch.tensor([0] + [len(s.ids) for s in streams[:-1]]).cumsum(0)
-        return TokenStream(*(torch.cat([getattr(s, f) for s in streams]) for f in ("hidden", "ids", "anchor_ok")),
-                           torch.cat([s.seq_end + o for s, o in zip(streams, offsets)]),
-                           *(torch.cat([getattr(s, f) for s in streams]) for f in ("top_ids", "top_probs")))
+        joined = {f: torch.cat([getattr(s, f) for s in streams]) for f in ("hidden", "ids", "anchor_ok", "top_ids",
+                                                                           "top_probs")}
+        return TokenStream(seq_end=torch.cat([s.seq_end + o for s, o in zip(streams, offsets)]), **joined)
 
 
 @torch.no_grad()
@@ -182,8 +182,8 @@ def build_stream(model, pairs: list[tuple[list[int], list[int]]], temperature: f
                 values, index = probs.topk(min(topk, probs.shape[-1]), dim=-1)
                 top_ids.append(index.cpu())
                 top_probs.append(values.cpu())
-    return TokenStream(torch.cat(hidden), torch.cat(ids), torch.cat(anchor_ok), torch.cat(seq_end),
-                       torch.cat(top_ids), torch.cat(top_probs))
+    return TokenStream(hidden=torch.cat(hidden), ids=torch.cat(ids), anchor_ok=torch.cat(anchor_ok),
+                       seq_end=torch.cat(seq_end), top_ids=torch.cat(top_ids), top_probs=torch.cat(top_probs))
 
 
 def draft_vocabulary(stream: TokenStream, size: int, always: list[int]) -> torch.Tensor:

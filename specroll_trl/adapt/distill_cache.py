@@ -7,13 +7,12 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from ..engine.heads import SpeculativeHeads
-from ..files import atomic_folder
+from ..files import atomic_folder, specroll_home
 from .distill import REPORT_FILE, HeadDistillConfig, distill_heads, save_distilled
 
 logger = logging.getLogger(__name__)
@@ -23,7 +22,7 @@ CACHE_FORMAT = 1  # bump when the distillation recipe changes what the same key 
 
 def default_cache_dir() -> Path:
     """``$SPECROLL_HOME/heads`` (``SPECROLL_HOME`` defaults to ``~/.cache/specroll_trl``)."""
-    return Path(os.environ.get("SPECROLL_HOME", Path.home() / ".cache" / "specroll_trl")).expanduser() / "heads"
+    return specroll_home() / "heads"
 
 
 def policy_fingerprint(model) -> str:

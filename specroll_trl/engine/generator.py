@@ -353,10 +353,12 @@ class SpeculativeGenerator:
             logprobs = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
             logprobs[:, 0] = target.logprobs(logits).gather(1, root[:, None]).squeeze(1)
         kv = RaggedCache(cache, attention_mask.bool(), attention_mask.long().sum(1), self.config.compact_ratio)
-        state = DecodeState(input_ids, pad_len, target, eos, max_new, completion, logprobs,
-                            torch.ones(batch, dtype=torch.long, device=device),
-                            torch.zeros(self.heads.num_heads, dtype=torch.long, device=device), rows, root,
-                            out.hidden_states[-1][:, -1], kv, uniforms, self.heads.projection(self.lm_head))
+        state = DecodeState(
+            prompt_ids=input_ids, pad_len=pad_len, target=target, eos=eos, max_new=max_new, completion=completion,
+            logprobs=logprobs, done_len=torch.ones(batch, dtype=torch.long, device=device),
+            accepted_at_depth=torch.zeros(self.heads.num_heads, dtype=torch.long, device=device), rows=rows,
+            root=root, hidden=out.hidden_states[-1][:, -1], kv=kv, uniforms=uniforms,
+            projection=self.heads.projection(self.lm_head))
         stats.forwards, stats.row_forwards, stats.tokens = 1, batch, batch
         self._keep(state, ~torch.isin(root, eos) & (state.done_len < max_new))
         return state
@@ -441,8 +443,9 @@ class SpeculativeGenerator:
         state.done_len[rows] += step.count
         state.kv.commit(step.accepted)
         self._count(state, stats, draft, verdict, step)
-        return StepFeedback(rows, root_index, draft.z, draft.candidates, tree, verdict.probs, step.accepted,
-                            step.tokens, step.count, step.finished, state.hidden)
+        return StepFeedback(rows=rows, root_index=root_index, z=draft.z, candidates=draft.candidates, tree=tree,
+                            probs=verdict.probs, accepted=step.accepted, emitted=step.tokens, count=step.count,
+                            finished=step.finished, hidden=state.hidden)
 
     def _count(self, state: DecodeState, stats: GenerationStats, draft: Draft, verdict: Verification,
                step: Emission) -> None:

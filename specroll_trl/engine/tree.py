@@ -91,8 +91,9 @@ def select_tree(root: torch.Tensor, topk_ids: torch.Tensor | None, topk_logp: to
     batch, num_heads, device = root.shape[0], table.choice.shape[1], root.device
     if num_nodes == 0:
         empty = torch.zeros((batch, 1), dtype=torch.long, device=device)
-        return DraftTree(root[:, None], empty, empty - 1, torch.ones((batch, 1, 1), dtype=torch.bool, device=device),
-                         root[:, None, None].expand(batch, 1, num_heads + 1).clone())
+        return DraftTree(tokens=root[:, None], depth=empty, parent=empty - 1,
+                         ancestors=torch.ones((batch, 1, 1), dtype=torch.bool, device=device),
+                         path_tokens=root[:, None, None].expand(batch, 1, num_heads + 1).clone())
     tokens, score = path_candidates(topk_ids, topk_logp, table)
     return tree_from_nodes(root, tokens, table.parent.expand(batch, -1), table.depth.expand(batch, -1), score,
                            num_nodes, num_heads)
@@ -191,4 +192,5 @@ def tree_from_nodes(root: torch.Tensor, tokens: torch.Tensor, parent: torch.Tens
         ancestors.scatter_(2, node[..., None], True)
         path_tokens.scatter_(2, node_depth.gather(1, node)[..., None], node_tokens.gather(1, node)[..., None])
         node = step_up.gather(1, node)
-    return DraftTree(node_tokens, node_depth, parent_node, ancestors, path_tokens, score)
+    return DraftTree(tokens=node_tokens, depth=node_depth, parent=parent_node, ancestors=ancestors,
+                     path_tokens=path_tokens, path_scores=score)

@@ -13,24 +13,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
 
 from ..adapt.samples import left_pad
 from ..engine import SpeculativeGenerator
 from .plots import pyplot, save_figure
-from .zoo import DEFAULT_PRESET, PRETRAINED, load_heads, load_policy, preset_task, preset_temperature, task_prompt_ids
-
-
-def trl_generation_config(model, tokenizer, max_new_tokens: int, temperature: float = 1.0) -> GenerationConfig:
-    """The ``GenerationConfig`` TRL 1.16's GRPOTrainer builds with GRPOConfig defaults."""
-    eos = model.generation_config.eos_token_id
-    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    eos = sorted({tokenizer.eos_token_id, *eos})
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, temperature=temperature, top_p=1.0, top_k=0,
-        min_p=None, repetition_penalty=1.0, cache_implementation=None, disable_compile=True,
-    )
+from .zoo import (
+    DEFAULT_PRESET,
+    PRETRAINED,
+    load_heads,
+    load_policy,
+    preset_task,
+    preset_temperature,
+    task_prompt_ids,
+    trl_generation_config,
+)
 
 
 def _vanilla(model, ids, mask, gc, **generate_kwargs) -> tuple[float, int]:

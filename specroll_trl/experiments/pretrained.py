@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..files import atomic_folder
+from ..files import atomic_folder, specroll_home
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,11 @@ PRETRAINED: dict[str, PretrainedPreset] = {
 
 class PretrainedPackageMissing(ImportError):
     """The package that ships a pretrained preset's weights (or ``gguf``) is not installed."""
+
+
+def pretrained_dir(name: str) -> Path:
+    """The zoo cache's folder of a pretrained preset's fp32 build."""
+    return specroll_home() / "zoo" / f"{name}-v{PRETRAINED_VERSION}"
 
 
 def find_gguf(preset: PretrainedPreset) -> Path | None:
@@ -197,12 +202,10 @@ def build_pretrained(preset: str | PretrainedPreset = "smollm2-135m", dest: str 
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     if dest is None:
-        from .zoo import policy_dir
-
         if dtype != torch.float32:
             raise ValueError("the zoo cache holds fp32 builds; pass dest= for a bf16 folder, or load the cached "
                              "preset with zoo.load_policy(name, dtype=torch.bfloat16)")
-        dest = policy_dir(preset.name)
+        dest = pretrained_dir(preset.name)
     out = Path(dest)
     if (out / "build_info.json").is_file() and not force:
         return out

@@ -32,6 +32,7 @@ from .zoo import (
     preset_temperature,
     resolve_policy,
     teacher_forced_text,
+    trl_generation_config,
     zoo_home,
 )
 
@@ -162,7 +163,6 @@ def _measure_shift(model_name, moved_path, heads, num_prompts, max_new_tokens, r
     from ..adapt.buffer import BufferCapture, HeadBuffer
     from ..adapt.consolidation import ConsolidationConfig, consolidate_heads
     from ..adapt.samples import left_pad
-    from .bench import trl_generation_config
     from .zoo import task_prompt_ids
 
     base, tokenizer = load_policy(model_name, progress=progress)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -21,13 +20,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..files import atomic_folder
+from ..files import atomic_folder, specroll_home
 from .pretrained import (  # noqa: F401  (PretrainedPackageMissing: re-exported for callers)
     PRETRAINED,
     PRETRAINED_VERSION,
     PretrainedPackageMissing,
     PretrainedPreset,
     build_pretrained,
+    pretrained_dir,
 )
 from .tasks import arithmetic_examples, format_prompt, gsm8k_examples
 
@@ -123,12 +123,13 @@ def preset_heads(preset: str, progress: bool = True) -> str | None:
 
 def zoo_home() -> Path:
     """Root of the local cache (``$SPECROLL_HOME`` or ``~/.cache/specroll_trl``)."""
-    return Path(os.environ.get("SPECROLL_HOME", Path.home() / ".cache" / "specroll_trl")).expanduser()
+    return specroll_home()
 
 
 def policy_dir(preset: str) -> Path:
-    version = PRETRAINED_VERSION if preset in PRETRAINED else ZOO_VERSION
-    return zoo_home() / "zoo" / f"{preset}-v{version}"
+    if preset in PRETRAINED:
+        return pretrained_dir(preset)
+    return zoo_home() / "zoo" / f"{preset}-v{ZOO_VERSION}"
 
 
 def task_examples(task: str, n: int, seed: int, split: str = "train") -> list[dict]:
@@ -419,3 +420,16 @@ def load_heads(preset: str = DEFAULT_PRESET, progress: bool = True):
 
     return SpeculativeHeads.from_pretrained(build_heads(preset, progress=progress))
 
+
+def trl_generation_config(model, tokenizer, max_new_tokens: int, temperature: float = 1.0):
+    """The ``GenerationConfig`` TRL 1.16's GRPOTrainer builds with GRPOConfig defaults."""
+    from transformers import GenerationConfig
+
+    eos = model.generation_config.eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    eos = sorted({tokenizer.eos_token_id, *eos})
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, temperature=temperature, top_p=1.0, top_k=0,
+        min_p=None, repetition_penalty=1.0, cache_implementation=None, disable_compile=True,
+    )

@@ -267,7 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default="tiny", help="zoo preset (smollm2-135m, tiny, nano) or HF folder")
     common.add_argument("--quick", action="store_true",
-                        help="reduced run (at most ~3 minutes on 2 cores); flags given still apply")
+                        help="reduced run: about 3 minutes on 2 cores once the policy and its heads are cached; a "
+                             "first run builds them (in $SPECROLL_HOME): tiny trains its policy and distils its heads "
+                             "(~10 minutes), smollm2-135m de-quantises its GGUF and installs its shipped heads "
+                             "(~1 minute); flags given still apply")
     common.add_argument("--out", default=None, help="JSON file (a PNG is written beside it)")
 
     def kind(name: str, help: str):

@@ -9,8 +9,9 @@ changes, and measured on the same held-out whole sequences (hit rates with 95% b
   independent      the on-policy recipe with residual SiLU heads (each reads only h_t)
   path-no-out      path-conditioned heads without the outer projection U: z = h + SiLU(W [h; e..]) (can not leave
                    h's next-token direction; not a kind the library keeps, built here by removing U)
-  path             path-conditioned heads, z = h + U SiLU(W [h; e..] + b): the shipped recipe; with
-                   ``--ship`` its heads and samples are written to the package
+  path             path-conditioned heads, z = h + U SiLU(W [h; e..] + b): the shipped recipe
+
+With ``--ship`` the ``path`` and ``independent`` heads, and the samples, are written to the package.
 
   python scripts/heads_ablation.py --old-heads OLD_FOLDER --out benchmarks/heads_ablation_smollm2.json --ship
 
@@ -37,6 +38,7 @@ from specroll_trl.adapt.distill import (
     new_heads,
     save_distilled,
 )
+from specroll_trl.adapt.distill_cache import policy_fingerprint
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.experiments import onpolicy_heads, zoo
 
@@ -81,6 +83,7 @@ def main() -> None:
     print(f"{int(train.anchor_ok.sum())} training anchors, {int(heldout.anchor_ok.sum())} held-out anchors from "
           f"{len(samples['heldout'])} sequences", flush=True)
 
+    key = policy_fingerprint(model)
     results = {}
     if args.old_heads:
         old = SpeculativeHeads.from_pretrained(args.old_heads)
@@ -102,8 +105,11 @@ def main() -> None:
             (folder / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
         else:
             save_distilled(heads, report, folder)
-        if variant == "path" and args.ship:
-            onpolicy_heads.save_preset_heads(heads, report, samples, model, onpolicy_heads.shipped_folder(args.model))
+        if variant in ("path", "independent") and args.ship:
+            onpolicy_heads.save_preset_heads(heads, report, samples, model,
+                                             onpolicy_heads.shipped_folder(args.model, kind), key)
+    if args.ship:
+        onpolicy_heads.ship_samples(samples, args.model, key)
     Path(args.out).write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
 

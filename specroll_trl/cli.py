@@ -39,7 +39,8 @@ def _demo(args) -> int:
     del model
     heads_path = args.heads
     if heads_path is None:
-        print("[3/4] speculative heads (self-distilled on the policy's own samples, cached)", flush=True)
+        print("[3/4] speculative heads (shipped for this exact policy, else self-distilled on its own samples; "
+              "cached)", flush=True)
         heads_path = str(zoo.build_heads(args.model))
         report = json.loads((Path(heads_path) / REPORT_FILE).read_text())
         print(format_hit_table(report["hit_rates"], report.get("target_mass")))

@@ -286,17 +286,13 @@ class SpecGRPOTrainer(GRPOTrainer):
         return "independent" if self._spec_reflex or self.spec.spec_consolidation else "path"
 
     def _shipped_heads(self, policy) -> SpeculativeHeads | None:
-        """The package's heads for this exact policy (same weights), when their kind suits the run's settings."""
+        """The package's heads for this exact policy (same weights), of the kind the run's settings allow."""
         from .adapt.distill_cache import find_shipped_heads
 
-        folder = find_shipped_heads(policy)
+        folder = find_shipped_heads(policy, kind=self._head_kind())
         if folder is None:
             return None
         heads = SpeculativeHeads.from_pretrained(folder)
-        if heads.config.kind != "independent" and self._head_kind() == "independent":
-            logger.info("shipped heads in %s are %s heads, which Reflex / the slow path cannot use: distilling",
-                        folder, heads.config.kind)
-            return None
         heads.check_compatible(policy)
         logger.info("speculative heads shipped for this policy: %s", folder)
         return heads

@@ -129,10 +129,12 @@ def test_shipped_heads_load_only_for_the_policy_they_were_fitted_to(tmp_path, mo
     samples = {"heldout": [([2, 3], [4, 5, 6, 1])], "train": [([3], [5, 6, 7, 8, 9, 1]), ([4, 4], [6, 7, 1])]}
     config = HeadDistillConfig(num_heads=2, steps=5, batch_size=8, target_topk=8, kind="path", eval_every=2)
     monkeypatch.setattr(onpolicy_heads, "SHIPPED_DIR", tmp_path / "shipped")
-    shipped = onpolicy_heads.shipped_folder("toy")
+    shipped = onpolicy_heads.shipped_folder("toy", "path")
     onpolicy_heads.distill_preset_heads(model, None, shipped, tmp_path / "cache", samples=samples, config=config)
+    onpolicy_heads.ship_samples(samples, "toy", policy_fingerprint(model))
     report = json.loads((shipped / "distill_report.json").read_text())
     assert report["policy_sha256"] == policy_fingerprint(model) and report["sampled_tokens"]["train"] == 9
+    assert report["heldout_slice"]["sequences"] == 1
     assert onpolicy_heads.shipped_samples("toy", policy_fingerprint(model)) == samples
     assert onpolicy_heads.shipped_samples("toy", policy_fingerprint(other)) is None
 
@@ -142,6 +144,8 @@ def test_shipped_heads_load_only_for_the_policy_they_were_fitted_to(tmp_path, mo
     assert load_file(str(out / "model.safetensors"))["heads.0.inner.weight"].dtype == torch.float16  # half the size
 
     distilled = []
-    monkeypatch.setattr(onpolicy_heads, "distill_preset_heads", lambda *a, **k: distilled.append(a) or a[2])
+    monkeypatch.setattr(onpolicy_heads, "distill_preset_heads", lambda *a, **k: distilled.append((a, k)) or a[2])
     onpolicy_heads.install_heads("toy", other, None, tmp_path / "other", tmp_path / "cache")
-    assert distilled and distilled[0][0] is other  # another policy: distilled for itself, not given these heads
+    assert distilled[0][0][0] is other and distilled[0][1]["samples"] is None  # another policy: its own samples
+    onpolicy_heads.install_heads("toy", model, None, tmp_path / "ind", tmp_path / "cache", kind="independent")
+    assert distilled[1][1]["samples"] == samples and distilled[1][1]["config"].kind == "independent"

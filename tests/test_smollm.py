@@ -292,12 +292,12 @@ def test_shipped_heads_load_for_the_default_policy_and_reach_their_reported_hit_
 
     model, _ = zoo.load_policy(PRESET, progress=False)
     key = policy_fingerprint(model)
-    shipped = onpolicy_heads.shipped_folder(PRESET)
+    shipped = onpolicy_heads.shipped_folder(PRESET, "path")
     report = json.loads((shipped / REPORT_FILE).read_text())
     assert report["policy_sha256"] == key  # the shipped heads are keyed to this very build of the policy
     assert report["train_tokens"] >= 200_000 and report["heldout_tokens"] >= 8_000
     assert (shipped / "model.safetensors").stat().st_size < 20e6
-    folder = zoo.build_heads(PRESET, progress=False)  # installs the shipped heads: no sampling, no distillation
+    folder = zoo.build_heads(PRESET, progress=False)  # installs the shipped path heads: no sampling or distillation
     heads = SpeculativeHeads.from_pretrained(folder)
     assert heads.config.kind == report["kind"]
     samples = onpolicy_heads.shipped_samples(PRESET, key)

@@ -473,21 +473,22 @@ def test_distillation_time_bound_is_kept_and_the_cut_short_heads_are_reused(nano
 
 def test_heads_shipped_for_this_exact_policy_are_used_instead_of_distilling(nano, tmp_path, dataset, monkeypatch):
     model, _, heads = nano
-    shipped = tmp_path / "shipped" / "nano"
+    shipped = tmp_path / "shipped" / "nano" / "independent"
     heads.save_pretrained(shipped)
     report = {"policy_sha256": distill_cache.policy_fingerprint(model)}
     (shipped / "distill_report.json").write_text(json.dumps(report))
     monkeypatch.setattr(distill_cache, "SHIPPED_HEADS_DIR", tmp_path / "shipped")
     monkeypatch.setattr(distill_cache, "default_cache_dir", lambda: tmp_path / "home" / "heads")
-    trainer = new_trainer(distill_args(tmp_path, max_steps=1), dataset)
+    trainer = new_trainer(distill_args(tmp_path, max_steps=1, spec_reflex="lookup"), dataset)
     assert trainer.spec_distill_report is None  # nothing was distilled
     assert all(torch.equal(v, trainer.spec_heads.state_dict()[k]) for k, v in heads.state_dict().items())
-    # another policy's key: the trainer distils its own heads, of the kind its settings allow
-    (shipped / "distill_report.json").write_text(json.dumps({"policy_sha256": "0" * 64}))
+    # shipped independent heads only: a run without Reflex wants path heads, and distils them
     other = new_trainer(distill_args(tmp_path / "2", max_steps=1), dataset)
     assert other.spec_distill_report is not None and other.spec_heads.config.kind == "path"
+    # another policy's key: a run with Reflex distils its own (independent) heads
+    (shipped / "distill_report.json").write_text(json.dumps({"policy_sha256": "0" * 64}))
     with_reflex = new_trainer(distill_args(tmp_path / "3", max_steps=1, spec_reflex="lookup"), dataset)
-    assert with_reflex.spec_heads.config.kind == "independent"
+    assert with_reflex.spec_distill_report is not None and with_reflex.spec_heads.config.kind == "independent"
 
 
 def test_reflex_with_path_heads_is_refused_at_init(nano, tmp_path, dataset):

@@ -39,11 +39,11 @@ def policy_fingerprint(model) -> str:
 SHIPPED_HEADS_DIR = Path(__file__).resolve().parents[1] / "experiments" / "data" / "heads"
 
 
-def find_shipped_heads(model, root: str | Path | None = None) -> Path | None:
-    """The shipped heads folder whose ``distill_report.json`` names this very policy (``policy_sha256`` equal to
-    :func:`policy_fingerprint`), or ``None``."""
+def find_shipped_heads(model, kind: str = "path", root: str | Path | None = None) -> Path | None:
+    """The shipped heads folder of ``kind`` whose ``distill_report.json`` names this very policy (``policy_sha256``
+    equal to :func:`policy_fingerprint`), or ``None``."""
     root = Path(root or SHIPPED_HEADS_DIR)
-    reports = sorted(root.glob(f"*/{REPORT_FILE}")) if root.is_dir() else []
+    reports = sorted(root.glob(f"*/{kind}/{REPORT_FILE}")) if root.is_dir() else []
     if not reports:
         return None
     key = policy_fingerprint(model)

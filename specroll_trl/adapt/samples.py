@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
@@ -97,6 +98,12 @@ def pack_samples(groups: dict[str, list[Pair]], path: str | os.PathLike, metadat
             tensors[f"{name}.{part}_ids"] = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
             tensors[f"{name}.{part}_lengths"] = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
     save_file(tensors, str(path), metadata={"groups": json.dumps(list(groups)), **(metadata or {})})
+
+
+def samples_key(path: str | os.PathLike) -> str | None:
+    """The ``policy_sha256`` a sample file was written with (``None`` when it has none)."""
+    with safe_open(str(path), "pt") as f:
+        return (f.metadata() or {}).get("policy_sha256")
 
 
 def read_samples(path: str | os.PathLike) -> dict[str, list[Pair]]:

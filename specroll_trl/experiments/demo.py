@@ -37,6 +37,20 @@ def demo_defaults(model: str) -> dict:
             "temperature": zoo.preset_temperature(model)}
 
 
+def independent_heads(model: str, heads_path: str, progress: bool) -> str:
+    """Reflex and the slow path need independent heads: ``heads_path`` when they are, else the preset's."""
+    from ..engine.heads import SpeculativeHeadsConfig
+    from . import zoo
+
+    config = json.loads((Path(heads_path) / "config.json").read_text())
+    if config.get("kind", SpeculativeHeadsConfig.kind) == "independent":
+        return heads_path
+    folder = zoo.preset_heads(model, progress=progress, kind="independent")
+    if folder is None:
+        raise ValueError("the 'spec' run (Reflex + slow path) needs independent heads; these are path-conditioned")
+    return folder
+
+
 def run_demo(model: str = "smollm2-135m", heads_path: str | None = None, task: str | None = None, steps: int = 3,
              repeats: int = 1, prompts_per_step: int = 1, max_completion_length: int = 128,
              learning_rate: float = 1e-5, capacity: int | None = None, temperature: float = 0.7,
@@ -61,7 +75,10 @@ def run_demo(model: str = "smollm2-135m", heads_path: str | None = None, task: s
             label, overrides = RUNS[name]
             if progress:
                 print(f"      run {r + 1}/{repeats}: {label}", flush=True)
-            record = grpo_run("vanilla" if overrides is None else name, model_path, heads_path, dataset,
+            heads = heads_path
+            if overrides and (overrides.get("spec_reflex") or overrides.get("spec_consolidation")):
+                heads = independent_heads(model, heads_path, progress)
+            record = grpo_run("vanilla" if overrides is None else name, model_path, heads, dataset,
                               overrides or {}, steps, prompts_per_step=prompts_per_step,
                               max_completion_length=max_completion_length,
                               learning_rate=learning_rate, capacity=capacity, temperature=temperature,

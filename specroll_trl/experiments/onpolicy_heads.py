@@ -1,15 +1,18 @@
 """A pretrained preset's heads from its own samples: the prompt plan, the sampled data, and the shipped heads.
 
 The recipe (``adapt.distill.distill_from_samples``) needs many of the policy's own sequences; sampling them takes
-about an hour on 2 CPU cores, so the default preset's heads ship with the package (``data/heads/<preset>/``:
-``config.json`` + ``model.safetensors`` in fp16, ``distill_report.json``, and ``samples.safetensors``, the sampled
-token ids they were distilled from). Both are keyed to the policy's weights (``policy_sha256``, the SHA-256 of
-``distill_cache.policy_fingerprint``): shipped heads load only for the exact policy they were fitted to, shipped
-samples are reused only for it, and any other policy is sampled and distilled from scratch.
+about an hour on 2 CPU cores, so the default preset's heads ship with the package: one folder per head kind
+(``data/heads/<preset>/<kind>/``: ``config.json`` + ``model.safetensors`` in fp16, ``distill_report.json``) and
+the sampled token ids they were distilled from (``data/heads/<preset>/samples.safetensors``). All are keyed to the
+policy's weights (``policy_sha256``, the SHA-256 of ``distill_cache.policy_fingerprint``): shipped heads load
+only for the exact policy they were fitted to, shipped samples are reused only for it, and any other policy is
+sampled and distilled from scratch. Path heads are the default; the independent ones serve Reflex, the slow path
+and the vLLM export, which need that kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -24,7 +27,7 @@ from ..adapt.distill import (
     save_distilled,
 )
 from ..adapt.distill_cache import policy_fingerprint
-from ..adapt.samples import pack_samples, read_samples, sample_to_folder
+from ..adapt.samples import pack_samples, read_samples, sample_to_folder, samples_key
 from ..files import atomic_folder
 from .tasks import arithmetic_examples, chat_prompt, gsm8k_examples
 
@@ -71,8 +74,9 @@ def sample_plan(model, tokenizer, folder: str | Path, config: HeadDistillConfig,
             for name in ("heldout", "train")}
 
 
-def shipped_folder(preset: str) -> Path:
-    return SHIPPED_DIR / preset
+def shipped_folder(preset: str, kind: str = "path") -> Path:
+    """Where the heads of ``kind`` shipped for ``preset`` live (``data/heads/<preset>/<kind>/``)."""
+    return SHIPPED_DIR / preset / kind
 
 
 def _matches(folder: Path, key: str) -> bool:
@@ -82,28 +86,40 @@ def _matches(folder: Path, key: str) -> bool:
 
 def shipped_samples(preset: str, key: str) -> dict | None:
     """The shipped samples of ``preset`` when they were drawn from the policy with fingerprint ``key``."""
-    folder = shipped_folder(preset)
-    return read_samples(folder / SAMPLES_FILE) if _matches(folder, key) and (folder / SAMPLES_FILE).is_file() else None
+    path = SHIPPED_DIR / preset / SAMPLES_FILE
+    return read_samples(path) if path.is_file() and samples_key(path) == key else None
 
 
-def install_heads(preset: str, model, tokenizer, out: Path, cache: Path, progress: bool = True) -> Path:
-    """Heads for a pretrained preset in ``out``: the shipped ones when they were fitted to this very policy, else
-    distilled by the recipe from the shipped samples (same policy) or from new samples drawn into ``cache``."""
+def ship_samples(samples: dict, preset: str, key: str) -> Path:
+    """Write the samples heads of ``preset`` were fitted to beside them, keyed by the policy's fingerprint."""
+    path = SHIPPED_DIR / preset / SAMPLES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pack_samples(samples, path, {"policy_sha256": key})
+    return path
+
+
+def install_heads(preset: str, model, tokenizer, out: Path, cache: Path, kind: str = "path",
+                  progress: bool = True) -> Path:
+    """Heads of ``kind`` for a pretrained preset in ``out``: the shipped ones when they were fitted to this very
+    policy, else distilled by the recipe from the shipped samples (same policy) or from new samples drawn into
+    ``cache``."""
     key = policy_fingerprint(model)
-    shipped = shipped_folder(preset)
+    shipped = shipped_folder(preset, kind)
     if _matches(shipped, key) and (shipped / "model.safetensors").is_file():
         with atomic_folder(out) as tmp:
             tmp.mkdir(parents=True)
             for name in ("config.json", "model.safetensors", REPORT_FILE):
                 shutil.copy(shipped / name, tmp / name)
         return out
-    return distill_preset_heads(model, tokenizer, out, cache, key=key, progress=progress)
+    config = dataclasses.replace(onpolicy_distill_config(), kind=kind)
+    return distill_preset_heads(model, tokenizer, out, cache, key=key, samples=shipped_samples(preset, key),
+                                config=config, progress=progress)
 
 
 def distill_preset_heads(model, tokenizer, out: Path, cache: Path, key: str | None = None, samples: dict | None = None,
                          config: HeadDistillConfig | None = None, progress: bool = True) -> Path:
-    """Run the recipe into ``out`` (heads in fp16, their report with ``policy_sha256``, and the samples they came
-    from). ``samples``: ``{"heldout", "train"}`` pairs to use (default: sampled into ``cache``, resumably)."""
+    """Run the recipe into ``out`` (heads in fp16 and their report with ``policy_sha256``). ``samples``:
+    ``{"heldout", "train"}`` pairs to use (default: sampled into ``cache``, resumably)."""
     config = config or onpolicy_distill_config()
     samples = samples or sample_plan(model, tokenizer, cache, config, progress)
     heads, report = distill_from_samples(model, samples["train"], samples["heldout"], config, progress=progress,
@@ -122,8 +138,8 @@ def heldout_slice(heads, model, samples: dict, config: HeadDistillConfig) -> dic
 
 
 def save_preset_heads(heads, report: dict, samples: dict, model, out: Path, key: str | None = None) -> Path:
-    """Write heads (fp16), their report keyed by the policy's fingerprint (``key`` when already computed) with their
-    hit rates on a held-out slice, and the samples they were fitted to."""
+    """Write heads (fp16) and their report, keyed by the policy's fingerprint (``key`` when already computed), with
+    their hit rates on a held-out slice and the size of the samples they were fitted to."""
     heads.half().float()  # measured as saved
     report = {**report, "policy_sha256": key or policy_fingerprint(model),
               "heldout_slice": heldout_slice(heads, model, samples, onpolicy_distill_config()),
@@ -131,5 +147,4 @@ def save_preset_heads(heads, report: dict, samples: dict, model, out: Path, key:
               "sampled_tokens": {k: sum(len(c) for _, c in v) for k, v in samples.items()}}
     with atomic_folder(out) as tmp:
         save_distilled(heads.half(), report, tmp)
-        pack_samples(samples, tmp / SAMPLES_FILE, {"policy_sha256": report["policy_sha256"]})
     return out

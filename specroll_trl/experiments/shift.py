@@ -152,7 +152,7 @@ def measure_shift(model_name: str, moved_path: str, num_prompts: int = 8, max_ne
     captured while the moved policy answers ``refit_prompts`` other prompts, and the refitted heads' tau."""
     from .zoo import load_heads
 
-    heads = load_heads(model_name, progress=progress)  # built with gradients on a first run: outside no_grad
+    heads = load_heads(model_name, progress=progress, kind="independent")  # re-fitted: the slow path's kind
     with torch.no_grad():
         return _measure_shift(model_name, moved_path, heads, num_prompts, max_new_tokens, refit_prompts, progress)
 

@@ -116,9 +116,12 @@ def preset_temperature(preset: str) -> float:
     return preset_distill_config(preset).temperature if preset in PRESETS or preset in PRETRAINED else 1.0
 
 
-def preset_heads(preset: str, progress: bool = True) -> str | None:
-    """The cached heads folder of a zoo preset (distilled on first use); ``None`` for a model folder."""
-    return str(build_heads(preset, progress=progress)) if preset in PRESETS or preset in PRETRAINED else None
+def preset_heads(preset: str, progress: bool = True, kind: str = "path") -> str | None:
+    """The cached heads folder of a zoo preset (built on first use); ``None`` for a model folder. ``kind``: which
+    of a pretrained preset's head kinds (a toy preset has independent heads only)."""
+    if preset not in PRESETS and preset not in PRETRAINED:
+        return None
+    return str(build_heads(preset, progress=progress, kind=kind))
 
 
 def zoo_home() -> Path:
@@ -340,8 +343,10 @@ def evaluate_policy(model, tokenizer, examples: list[dict], temperature: float =
     }
 
 
-def heads_dir(preset: str) -> Path:
-    return policy_dir(preset) / "spec_heads"
+def heads_dir(preset: str, kind: str = "path") -> Path:
+    """Where a preset's heads are cached: ``spec_heads/`` (a toy's heads, a pretrained preset's path heads) or
+    ``spec_heads_<kind>/``."""
+    return policy_dir(preset) / ("spec_heads" if kind == "path" or preset not in PRETRAINED else f"spec_heads_{kind}")
 
 
 def preset_distill_config(preset: str):
@@ -391,21 +396,22 @@ def task_prompt_ids(tokenizer, task: str, n: int, seed: int, conversational: boo
     return tokenizer([format_prompt(e["question"]) for e in examples], add_special_tokens=False)["input_ids"]
 
 
-def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: bool = True) -> Path:
-    """Speculative heads for a zoo preset, cached in ``spec_heads/`` inside the policy's folder; returns that folder.
-    A pretrained preset gets its shipped heads when they were fitted to these exact weights, else the on-policy
-    recipe runs (``onpolicy_heads``); a toy preset is distilled once. A build that fails leaves no temporary folder
-    behind."""
+def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: bool = True,
+                kind: str = "path") -> Path:
+    """Speculative heads for a zoo preset, cached inside the policy's folder (``heads_dir``); returns that folder.
+    A pretrained preset gets its shipped heads of ``kind`` when they were fitted to these exact weights, else the
+    on-policy recipe runs (``onpolicy_heads``); a toy preset's (independent) heads are distilled once. A build that
+    fails leaves no temporary folder behind."""
     from ..adapt.distill import REPORT_FILE, distill_heads, save_distilled
 
-    out = heads_dir(preset)
+    out = heads_dir(preset, kind)
     if (out / REPORT_FILE).is_file() and not force:
         return out
     model, tokenizer = load_policy(preset, progress=progress)
     if preset in PRETRAINED:
         from .onpolicy_heads import install_heads
 
-        return install_heads(preset, model, tokenizer, out, policy_dir(preset) / "onpolicy_samples", progress)
+        return install_heads(preset, model, tokenizer, out, policy_dir(preset) / "onpolicy_samples", kind, progress)
     config = preset_distill_config(preset)
     prompts = task_prompt_ids(tokenizer, preset_task(preset), config.num_samples, seed=PRESETS[preset].seed + 20_000)
     heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config, progress=progress)
@@ -414,11 +420,11 @@ def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: boo
     return out
 
 
-def load_heads(preset: str = DEFAULT_PRESET, progress: bool = True):
-    """Cached distilled heads of a zoo preset (built on first use)."""
+def load_heads(preset: str = DEFAULT_PRESET, progress: bool = True, kind: str = "path"):
+    """Cached heads of a zoo preset (built on first use; ``kind``: as in :func:`build_heads`)."""
     from ..engine.heads import SpeculativeHeads
 
-    return SpeculativeHeads.from_pretrained(build_heads(preset, progress=progress))
+    return SpeculativeHeads.from_pretrained(build_heads(preset, progress=progress, kind=kind))
 
 
 def trl_generation_config(model, tokenizer, max_new_tokens: int, temperature: float = 1.0):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -56,20 +57,31 @@ def _demo(args) -> int:
     return 0
 
 
+# train-heads settings of a toy preset or a model folder (a pretrained preset's recipe is fixed)
+TOY_HEAD_FLAGS = {"task": "arithmetic", "num_heads": 4, "num_samples": 512, "steps": 600, "max_new_tokens": 192,
+                  "temperature": 1.0, "max_seconds": None, "seed": 0}
+
+
 def _train_preset_heads(args) -> int:
     """A pretrained preset: the recipe of its shipped heads, on the shipped samples unless ``--resample``."""
     from .adapt.distill import REPORT_FILE, format_hit_table
     from .adapt.distill_cache import policy_fingerprint
     from .experiments import onpolicy_heads, zoo
 
+    given = [f"--{name.replace('_', '-')}" for name in TOY_HEAD_FLAGS if getattr(args, name) is not None]
+    if given:
+        print(f"specroll-trl train-heads: error: {', '.join(given)} do not apply to {args.model!r}, whose heads "
+              "come from a fixed recipe (onpolicy_heads.onpolicy_distill_config)", file=sys.stderr)
+        return 2
     model, tokenizer = zoo.load_policy(args.model)
     key = policy_fingerprint(model)
     samples = None if args.resample else onpolicy_heads.shipped_samples(args.model, key)
     cache = zoo.policy_dir(args.model) / "onpolicy_samples"
+    config = dataclasses.replace(onpolicy_heads.onpolicy_distill_config(), kind=args.kind or "path")
     print(f"{'reusing the shipped samples' if samples else f'sampling the policy into {cache} (resumable)'}; "
-          f"recipe: {onpolicy_heads.onpolicy_distill_config()}", flush=True)
+          f"recipe: {config}", flush=True)
     out = Path(args.out)
-    onpolicy_heads.distill_preset_heads(model, tokenizer, out, cache, key=key, samples=samples)
+    onpolicy_heads.distill_preset_heads(model, tokenizer, out, cache, key=key, samples=samples, config=config)
     report = json.loads((out / REPORT_FILE).read_text())
     print(format_hit_table(report["hit_rates"], report.get("target_mass")))
     print(f"heads saved to {args.out}")
@@ -82,12 +94,18 @@ def _train_heads(args) -> int:
 
     if args.model in zoo.PRETRAINED:
         return _train_preset_heads(args)
+    if args.resample:
+        print("specroll-trl train-heads: error: --resample applies to a pretrained preset only", file=sys.stderr)
+        return 2
+    run = {name: default if getattr(args, name) is None else getattr(args, name)
+           for name, default in TOY_HEAD_FLAGS.items()}
     model, tokenizer = zoo.load_policy(args.model)
     config = HeadDistillConfig(
-        num_heads=args.num_heads, num_samples=args.num_samples, steps=args.steps, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, max_seconds=args.max_seconds, seed=args.seed, kind=args.kind,
+        num_heads=run["num_heads"], num_samples=run["num_samples"], steps=run["steps"],
+        temperature=run["temperature"], max_new_tokens=run["max_new_tokens"], max_seconds=run["max_seconds"],
+        seed=run["seed"], kind=args.kind or "independent",
     )
-    prompts = zoo.task_prompt_ids(tokenizer, args.task, config.num_samples, seed=args.seed + 20_000)
+    prompts = zoo.task_prompt_ids(tokenizer, run["task"], config.num_samples, seed=run["seed"] + 20_000)
     heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config)
     save_distilled(heads, report, args.out)
     print(format_hit_table(report["hit_rates"], report.get("target_mass")))
@@ -183,16 +201,15 @@ def _bench_heads(args, run: dict) -> int:
     from .experiments.heads_bench import plot_heads, step_cost, tau_sweep
 
     model, tokenizer = zoo.load_policy(args.model, dtype=getattr(torch, args.dtype))
-    model = model.to(args.device)
     if args.heads:
         heads = dict(item.split("=", 1) if "=" in item else (Path(item).name, item) for item in args.heads)
     else:
         heads = {f"{args.model} (default)": str(zoo.build_heads(args.model))}
     records = tau_sweep(model, tokenizer, heads, node_counts=run["nodes"], temperatures=run["temperatures"],
-                        num_prompts=run["prompts"], max_new_tokens=run["max_new_tokens"])
+                        num_prompts=run["prompts"], max_new_tokens=run["max_new_tokens"], device=args.device)
     if run["cost_batch_sizes"]:
         records += step_cost(model, tokenizer, next(iter(heads.values())), batch_sizes=run["cost_batch_sizes"],
-                             node_counts=[0, *run["nodes"]])
+                             node_counts=[0, *run["nodes"]], device=args.device)
     if args.out:
         write_results(records, args.out, plot=False)
         plot_heads(records, Path(args.out).with_suffix(".png"))
@@ -251,16 +268,18 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--model", required=True, help="zoo preset or HF model folder")
     heads.add_argument("--resample", action="store_true",
                        help="pretrained preset: sample the policy again instead of reusing the shipped samples")
-    heads.add_argument("--kind", default="independent", choices=["independent", "path"], help="head kind")
+    heads.add_argument("--kind", default=None, choices=["independent", "path"],
+                       help="head kind (default: path for a pretrained preset, independent otherwise)")
     heads.add_argument("--out", required=True, help="folder for config.json + model.safetensors")
-    heads.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k"])
-    heads.add_argument("--num-heads", type=int, default=4)
-    heads.add_argument("--num-samples", type=int, default=512)
-    heads.add_argument("--steps", type=int, default=600)
-    heads.add_argument("--max-new-tokens", type=int, default=192)
-    heads.add_argument("--temperature", type=float, default=1.0)
-    heads.add_argument("--max-seconds", type=float, default=None)
-    heads.add_argument("--seed", type=int, default=0)
+    toy = TOY_HEAD_FLAGS
+    heads.add_argument("--task", default=None, choices=["arithmetic", "gsm8k"], help=f"(toy: {toy['task']})")
+    heads.add_argument("--num-heads", type=int, default=None, help=f"(toy: {toy['num_heads']})")
+    heads.add_argument("--num-samples", type=int, default=None, help=f"(toy: {toy['num_samples']})")
+    heads.add_argument("--steps", type=int, default=None, help=f"(toy: {toy['steps']})")
+    heads.add_argument("--max-new-tokens", type=int, default=None, help=f"(toy: {toy['max_new_tokens']})")
+    heads.add_argument("--temperature", type=float, default=None, help=f"(toy: {toy['temperature']})")
+    heads.add_argument("--max-seconds", type=float, default=None, help="(toy: no limit)")
+    heads.add_argument("--seed", type=int, default=None, help=f"(toy: {TOY_HEAD_FLAGS['seed']})")
     heads.set_defaults(func=_train_heads)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON records, see README)")

@@ -79,6 +79,7 @@ SINKS = {  # where the handlers hand their settings: replaced by recorders, so n
                                        "format_table"],
     "specroll_trl.experiments.ablation": ["bench_ablation", "format_ablation", "plot_ablation"],
     "specroll_trl.experiments.shift": ["bench_shift"],
+    "specroll_trl.experiments.heads_bench": ["tau_sweep", "step_cost", "plot_heads"],
     "specroll_trl.experiments.demo": ["run_demo", "format_summary"],
     "specroll_trl.experiments.zoo": ["load_policy", "resolve_policy", "build_heads", "task_examples",
                                      "evaluate_policy", "task_prompt_ids"],
@@ -167,3 +168,10 @@ def test_every_cli_flag_is_honoured_or_refused(command, tmp_path, monkeypatch):
         tried = [run(extra) for extra in other_values(action, tmp_path)]
         assert any(flagged != baseline or code not in (0, None) for code, flagged in tried), \
             f"`{command} {action.option_strings[0]}` was silently ignored"
+
+
+def test_train_heads_refuses_toy_flags_for_the_preset_recipe_and_resample_for_a_toy(tmp_path, capsys):
+    assert main(["train-heads", "--model", "smollm2-135m", "--out", str(tmp_path), "--steps", "5"]) == 2
+    assert "--steps do not apply to 'smollm2-135m'" in capsys.readouterr().err
+    assert main(["train-heads", "--model", str(tmp_path), "--out", str(tmp_path), "--resample"]) == 2
+    assert "--resample applies to a pretrained preset only" in capsys.readouterr().err

@@ -34,9 +34,10 @@ def bench_prompts(tokenizer, n: int, start: int = BENCH_ROW) -> list[list[int]]:
 @torch.no_grad()
 def tau_sweep(model, tokenizer, heads: dict[str, str | Path], node_counts=(2, 4, 8, 16, 32), temperatures=(0.7, 1.0),
               num_prompts: int = 8, max_new_tokens: int = 256, topk_per_head: int = 4, seed: int = 0,
-              progress: bool = True) -> list[dict]:
+              device: str = "cpu", progress: bool = True) -> list[dict]:
     """One record per (heads, temperature, nodes): ``tau``, ``accept_per_head``, tokens and forwards, on the same
     prompts and seed for every heads folder in ``heads`` (name -> folder)."""
+    model = model.to(device)
     ids, mask = (t.to(model.device) for t in left_pad(bench_prompts(tokenizer, num_prompts), tokenizer.pad_token_id))
     records = []
     for name, folder in heads.items():
@@ -60,10 +61,11 @@ def tau_sweep(model, tokenizer, heads: dict[str, str | Path], node_counts=(2, 4,
 
 @torch.no_grad()
 def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32), node_counts=(0, 2, 4, 8, 16, 32),
-              max_new_tokens: int = 48, repeats: int = 3, temperature: float = 0.7,
+              max_new_tokens: int = 48, repeats: int = 3, temperature: float = 0.7, device: str = "cpu",
               progress: bool = True) -> list[dict]:
     """One record per (batch size, nodes): the median seconds of one decoding step (draft + verify + commit, the
     prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat."""
+    model = model.to(device)
     heads = SpeculativeHeads.from_pretrained(heads_folder, device=model.device, dtype=model.dtype)
     gc = sampling_config(model, temperature, max_new_tokens)
     records = []

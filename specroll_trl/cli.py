@@ -205,8 +205,10 @@ def _bench_heads(args, run: dict) -> int:
         heads = dict(item.split("=", 1) if "=" in item else (Path(item).name, item) for item in args.heads)
     else:
         heads = {f"{args.model} (default)": str(zoo.build_heads(args.model))}
-    records = tau_sweep(model, tokenizer, heads, node_counts=run["nodes"], temperatures=run["temperatures"],
-                        num_prompts=run["prompts"], max_new_tokens=run["max_new_tokens"], device=args.device)
+    records = []
+    if run["prompts"]:
+        records += tau_sweep(model, tokenizer, heads, node_counts=run["nodes"], temperatures=run["temperatures"],
+                             num_prompts=run["prompts"], max_new_tokens=run["max_new_tokens"], device=args.device)
     if run["cost_batch_sizes"]:
         records += step_cost(model, tokenizer, next(iter(heads.values())), batch_sizes=run["cost_batch_sizes"],
                              node_counts=[0, *run["nodes"]], device=args.device)
@@ -360,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     hb.add_argument("--nodes", type=int, nargs="+", default=None, help=f"draft nodes per row {says('nodes')}")
     hb.add_argument("--temperatures", type=float, nargs="+", default=None, help=says("temperatures"))
     hb.add_argument("--prompts", type=int, default=None,
-                    help=f"GSM8K-test chat prompts from row 1000 on {says('prompts')}")
+                    help=f"GSM8K-test chat prompts from row 1000 on, 0 to skip the tau sweep {says('prompts')}")
     hb.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
     hb.add_argument("--cost-batch-sizes", type=int, nargs="*", default=None,
                     help=f"batch sizes of the step-cost curve, none to skip it {says('cost_batch_sizes')}")

@@ -149,3 +149,21 @@ def test_shipped_heads_load_only_for_the_policy_they_were_fitted_to(tmp_path, mo
     assert distilled[0][0][0] is other and distilled[0][1]["samples"] is None  # another policy: its own samples
     onpolicy_heads.install_heads("toy", model, None, tmp_path / "ind", tmp_path / "cache", kind="independent")
     assert distilled[1][1]["samples"] == samples and distilled[1][1]["config"].kind == "independent"
+
+
+def test_heads_bench_measures_tau_per_tree_size_and_the_step_cost(nano, tmp_path):
+    from specroll_trl.experiments import zoo
+    from specroll_trl.experiments.heads_bench import plot_heads, step_cost, tau_sweep
+
+    model, tokenizer, _ = nano
+    folder = str(zoo.heads_dir("nano"))
+    taus = tau_sweep(model, tokenizer, {"nano": folder}, node_counts=(1, 8), temperatures=(1.0,), num_prompts=3,
+                     max_new_tokens=24, progress=False)
+    assert [(r["nodes"], r["temperature"]) for r in taus] == [(1, 1.0), (8, 1.0)]
+    assert all(1.0 <= r["tau"] <= 1 + len(r["accept_per_head"]) and r["tokens"] > 0 for r in taus)
+    assert len(taus[0]["accept_per_head"]) == 4 and taus[0]["accept_per_head"][1] == 0.0  # one node: depth 1 only
+    costs = step_cost(model, tokenizer, folder, batch_sizes=(2,), node_counts=(0, 4), max_new_tokens=8, repeats=1,
+                      progress=False)
+    assert [r["nodes"] for r in costs] == [0, 4] and costs[0]["relative"] == 1.0 and costs[1]["step_s"] > 0
+    plot_heads(taus + costs, tmp_path / "heads.png")
+    assert (tmp_path / "heads.png").stat().st_size > 10_000

@@ -33,6 +33,8 @@ from specroll_trl.adapt.distill import (
     TokenStream,
     build_stream,
     distill_on_streams,
+    draft_vocab_coverage,
+    draft_vocabulary,
     format_hit_table,
     measure_heads,
     new_heads,
@@ -84,7 +86,12 @@ def main() -> None:
           f"{len(samples['heldout'])} sequences", flush=True)
 
     key = policy_fingerprint(model)
-    results = {}
+    eos = model.generation_config.eos_token_id
+    coverage = {size: draft_vocab_coverage(draft_vocabulary(train, size, list(eos if isinstance(eos, list) else [eos])),
+                                           heldout) for size in (1024, 2048, 4096, 8192, 16384)}
+    print("draft vocabulary size -> share of held-out tokens it covers:", coverage, flush=True)
+    results = {"coverage": {"variant": "draft_vocab_coverage", "distinct_train_tokens": int(train.ids.unique().numel()),
+                            "coverage": coverage}}
     if args.old_heads:
         old = SpeculativeHeads.from_pretrained(args.old_heads)
         results["old"] = {"variant": "old", **measure_heads(old, model, heldout, config.hit_ks)}

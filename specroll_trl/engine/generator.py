@@ -1,8 +1,9 @@
 """``SpeculativeGenerator``: batched, exact speculative generation on a plain Hugging Face causal LM.
 
 One decoding step, for all rows still generating (``generate`` reads as these stages):
-  * draft: the heads propose from the hidden state that produced each row's root token, hooks may adjust the
-    proposals, and ``select_tree`` keeps the best ``N_t`` nodes per row (``N_t`` shrinks as rows grow);
+  * draft: the heads propose from the hidden state that produced each row's root token and keep the best ``N_t``
+    nodes per row (``N_t`` shrinks as rows grow): independent heads all at once, hooks may adjust their proposals,
+    ``select_tree``; path-conditioned heads depth by depth over the tree's frontier, ``grow_tree``;
   * verify: one target forward over root + tree (4D ancestor mask, logical positions); every node's
     distribution goes through ``generate``'s own logits processors and gets one sample;
   * commit: each row follows its tree along those samples (``emit``); accepted KV entries are kept, the rest

@@ -152,11 +152,12 @@ def build_stream(model, pairs: list[tuple[list[int], list[int]]], temperature: f
                  desc: str = "forward passes") -> TokenStream:
     """Run the frozen policy over each ``(prompt, completion)`` and keep, from the prompt's last token on (every
     position an anchor or a target can be), its final hidden states and the top-``topk`` of its distribution at
-    ``temperature``."""
+    ``temperature``. Sequences are batched by length (little padding), so the stream lists them in that order."""
     device = next(model.parameters()).device
     lm_head = lm_head_of(model)
     hidden, ids, anchor_ok, seq_end, top_ids, top_probs = [], [], [], [], [], []
     offset = 0
+    pairs = sorted(pairs, key=lambda pair: len(pair[0]) + len(pair[1]))  # stable: ties keep their order
     for i in tqdm(range(0, len(pairs), batch_size), desc=desc, disable=not progress):
         batch_pairs = pairs[i : i + batch_size]
         width = max(len(p) + len(c) for p, c in batch_pairs)

@@ -15,7 +15,8 @@ With ``--ship`` the ``path`` and ``independent`` heads, and the samples, are wri
 
   python scripts/heads_ablation.py --old-heads OLD_FOLDER --out benchmarks/heads_ablation_smollm2.json --ship
 
-Resumable: a variant whose folder under ``--work`` holds a report is measured again, not refitted.
+Resumable: a variant whose folder under ``--work`` holds a report is not refitted; records already in ``--out`` are
+kept unless their variant runs again.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def main() -> None:
     coverage = {size: draft_vocab_coverage(draft_vocabulary(train, size, list(eos if isinstance(eos, list) else [eos])),
                                            heldout) for size in (1024, 2048, 4096, 8192, 16384)}
     print("draft vocabulary size -> share of held-out tokens it covers:", coverage, flush=True)
-    results = {"coverage": {"variant": "draft_vocab_coverage", "distinct_train_tokens": int(train.ids.unique().numel()),
+    distinct = int(train.ids.unique().numel())
+    results = {"draft_vocab_coverage": {"variant": "draft_vocab_coverage", "distinct_train_tokens": distinct,
                             "coverage": coverage}}
     if args.old_heads:
         old = SpeculativeHeads.from_pretrained(args.old_heads)
@@ -117,7 +119,9 @@ def main() -> None:
                                              onpolicy_heads.shipped_folder(args.model, kind), key)
     if args.ship:
         onpolicy_heads.ship_samples(samples, args.model, key)
-    Path(args.out).write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
+    out = Path(args.out)
+    kept = [r for r in (json.loads(out.read_text()) if out.is_file() else []) if r["variant"] not in results]
+    out.write_text(json.dumps(kept + list(results.values()), indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
 
 

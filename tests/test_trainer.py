@@ -84,7 +84,7 @@ def test_plain_grpo_config_works_with_defaults(nano, tmp_path, dataset):
     with pytest.warns(UserWarning, match="zero-initialised heads|self-distilling"):
         trainer = SpecGRPOTrainer(model=str(zoo.policy_dir("nano")), reward_funcs=REWARD_FUNCS, args=args,
                                   train_dataset=dataset)
-    assert trainer.spec.enabled and trainer.spec_heads is not None
+    assert trainer.spec.spec_enabled and trainer.spec_heads is not None
     trainer.train()
     assert any("spec/tau" in r for r in trainer.state.log_history)
 

@@ -58,7 +58,7 @@ class SpecGRPOConfig(GRPOConfig):
     r"""``GRPOConfig`` plus the speculative-rollout fields (all prefixed ``spec_``).
 
     Every ``GRPOConfig`` field keeps its meaning; a plain ``GRPOConfig`` given to ``SpecGRPOTrainer`` gets the
-    defaults below. All ``spec_`` fields are validated once, when the config is built (``SpecSettings.from_args``).
+    defaults below. All ``spec_`` fields are validated once, when the config is built (``check_spec_fields``).
 
     > Heads
 

@@ -111,13 +111,6 @@ class TokenStream:
         token = self.ids[torch.where(valid, pos + 1, anchors[:, None])]
         return pos, token, valid
 
-    @staticmethod
-    def concat(streams: list[TokenStream]) -> TokenStream:
-        offsets = torch.tensor([0] + [len(s.ids) for s in streams[:-1]]).cumsum(0)
-        joined = {f: torch.cat([getattr(s, f) for s in streams]) for f in ("hidden", "ids", "anchor_ok", "top_ids",
-                                                                           "top_probs")}
-        return TokenStream(seq_end=torch.cat([s.seq_end + o for s, o in zip(streams, offsets)]), **joined)
-
 
 @torch.no_grad()
 def sample_sequences(model, prompt_ids: list[list[int]], config: HeadDistillConfig, pad_token_id: int,

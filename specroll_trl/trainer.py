@@ -30,6 +30,7 @@ from .adapt.reflex import REFLEX_PRESETS, reflex_hooks
 from .engine import GenerationStats, SpeculativeConfig, SpeculativeGenerator, StepHook
 from .engine.generator import check_topk_fits
 from .engine.heads import (
+    HEAD_KINDS,
     SpeculativeHeads,
     apply_adapter_state,
     check_heads_folder,
@@ -67,6 +68,12 @@ class SpecGRPOConfig(GRPOConfig):
             Generate rollouts with the speculative engine. `False`: TRL's own generation path.
         spec_heads_path (`str` or `None`, *optional*):
             Folder of trained heads (`config.json` + `model.safetensors`). `None`: see `spec_init_heads`.
+        spec_heads_kind (`str`, *optional*, defaults to `"auto"`):
+            Which head kind the run drafts with: `"path"` (path-conditioned: head `d` also reads the tokens on its
+            path; they accept the most), `"independent"` (Medusa: every head reads only the hidden state; the kind
+            vLLM's export takes), or `"auto"`: the kind of the heads given (`heads=` or `spec_heads_path`), else
+            `"path"`. Shipped, distilled and zero-initialised heads are built of this kind; given heads of another
+            kind are refused. Reflex and the slow path work on both kinds.
         spec_init_heads (`str`, *optional*, defaults to `"distill"`):
             Without `spec_heads_path`: `"distill"` self-distils heads on the training prompts before step 1,
             `"zeros"` starts from zero-initialised heads (they predict the next token only: low acceptance).
@@ -114,6 +121,7 @@ class SpecGRPOConfig(GRPOConfig):
 
     spec_enabled: bool = field(default=True, metadata={"help": "Generate rollouts with the speculative engine."})
     spec_heads_path: str | None = field(default=None, metadata={"help": "Folder of trained heads."})
+    spec_heads_kind: str = field(default="auto", metadata={"help": "'auto', 'path' or 'independent'."})
     spec_init_heads: str = field(default="distill", metadata={"help": "Without heads: 'distill' or 'zeros'."})
     spec_num_heads: int = field(default=4, metadata={"help": "Heads to build when none are loaded."})
     spec_distill_samples: int = field(default=256, metadata={"help": "Policy samples for the initial distillation."})
@@ -148,8 +156,13 @@ def spec_fields(args) -> SimpleNamespace:
     return SimpleNamespace(**{name: getattr(args, name, default) for name, default in SPEC_FIELDS.items()})
 
 
+HEADS_KIND_CHOICES = ("auto", *HEAD_KINDS)
+
+
 def check_spec_fields(spec) -> None:
     """Raise ``ValueError`` / ``TypeError`` naming the ``spec_`` field whose value is invalid."""
+    if spec.spec_heads_kind not in HEADS_KIND_CHOICES:
+        raise ValueError(f"spec_heads_kind must be one of {HEADS_KIND_CHOICES}, got {spec.spec_heads_kind!r}")
     if spec.spec_init_heads not in ("distill", "zeros"):
         raise ValueError(f"spec_init_heads must be 'distill' or 'zeros', got {spec.spec_init_heads!r}")
     for name in ("spec_num_heads", "spec_distill_samples", "spec_distill_steps"):
@@ -162,6 +175,18 @@ def check_spec_fields(spec) -> None:
     engine_config(spec)
     reflex_hooks_of(spec)
     consolidation_config(spec, seed=0)
+
+
+def resolve_heads_kind(spec, given: SpeculativeHeads | None = None) -> str:
+    """The head kind a run drafts with: ``spec_heads_kind``, or with ``"auto"`` the given heads' kind (else
+    ``"path"``, the kind that accepts the most). Raises ``ValueError`` when given heads contradict the field."""
+    given_kind = None if given is None else getattr(given, "config", SimpleNamespace(kind=None)).kind
+    if spec.spec_heads_kind == "auto":
+        return given_kind or "path"
+    if given_kind is not None and given_kind != spec.spec_heads_kind:
+        raise ValueError(f"spec_heads_kind={spec.spec_heads_kind!r} but the heads given are {given_kind!r} heads; "
+                         "set spec_heads_kind='auto' or to their kind")
+    return spec.spec_heads_kind
 
 
 def engine_config(spec) -> SpeculativeConfig:
@@ -239,17 +264,16 @@ class SpecGRPOTrainer(GRPOTrainer):
             return
         if self.spec_heads is None:
             self.spec_heads = self._initial_heads()
-        if self._spec_reflex and getattr(self.spec_heads, "reads_path", False):
-            raise ValueError(f"spec_reflex={self.spec.spec_reflex!r} adjusts independent heads only; these heads are "
-                             "path-conditioned (kind='path'): set spec_reflex=None or pass independent heads")
+        self.spec_heads_kind = resolve_heads_kind(self.spec, self.spec_heads)  # refuses heads of another kind
         check_topk_fits(self.spec.spec_topk_per_head, self.spec_heads, "spec_topk_per_head")
         # the engine checks heads and model support now, not at the first rollout
-        self._engine(self._policy_for_heads()).check_hooks(self.spec_step_hooks)
+        self._engine(self._policy_for_heads())
         consolidation = consolidation_config(self.spec, self.args.seed)
         if consolidation is not None:
+            policy = self._policy_for_heads()
             self.spec_consolidation = ConsolidationCallback(
-                self.spec_heads, self._policy_for_heads().get_output_embeddings(), consolidation,
-                log=lambda metrics: self._log_metrics("train", metrics))
+                self.spec_heads, policy.get_output_embeddings(), consolidation,
+                log=lambda metrics: self._log_metrics("train", metrics), embed=policy.get_input_embeddings())
             self.add_callback(self.spec_consolidation)
 
     # ------------------------------------------------------------------ heads
@@ -265,6 +289,7 @@ class SpecGRPOTrainer(GRPOTrainer):
         if path:
             heads = SpeculativeHeads.from_pretrained(path)
             heads.check_compatible(policy)
+            resolve_heads_kind(self.spec, heads)
             return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         shipped = self._shipped_heads(policy) if self.spec.spec_init_heads == "distill" else None
         if shipped is not None:
@@ -275,21 +300,18 @@ class SpecGRPOTrainer(GRPOTrainer):
                    "no plain prompts to distil on (environments render their own, or no 'prompt' column)")
             warnings.warn(f"SpecGRPOTrainer: no spec_heads_path given and {why}; starting from zero-initialised "
                           "heads (low acceptance until they are trained)", stacklevel=3)
-            return SpeculativeHeads.from_model(policy, num_heads=self.spec.spec_num_heads)
+            return SpeculativeHeads.from_model(policy, num_heads=self.spec.spec_num_heads,
+                                               kind=resolve_heads_kind(self.spec))
         warnings.warn("SpecGRPOTrainer: no spec_heads_path given; self-distilling heads on the first training "
                       "prompts before the first step (cached for the next run: spec_distill_cache)", stacklevel=3)
         heads = self._distill_initial_heads(prompts)
         return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
 
-    def _head_kind(self) -> str:
-        """Path-conditioned heads accept the most; Reflex and the slow path work on independent heads only."""
-        return "independent" if self._spec_reflex or self.spec.spec_consolidation else "path"
-
     def _shipped_heads(self, policy) -> SpeculativeHeads | None:
-        """The package's heads for this exact policy (same weights), of the kind the run's settings allow."""
+        """The package's heads for this exact policy (same weights), of the run's kind."""
         from .adapt.distill_cache import find_shipped_heads
 
-        folder = find_shipped_heads(policy, kind=self._head_kind())
+        folder = find_shipped_heads(policy, kind=resolve_heads_kind(self.spec))
         if folder is None:
             return None
         heads = SpeculativeHeads.from_pretrained(folder)
@@ -322,7 +344,7 @@ class SpecGRPOTrainer(GRPOTrainer):
             num_heads=self.spec.spec_num_heads, num_samples=len(prompts), steps=self.spec.spec_distill_steps,
             temperature=self.args.temperature, max_new_tokens=self.args.max_completion_length,
             seed=self.args.seed, batch_size=512, target_topk=16, draft_vocab_size=DISTILL_DRAFT_VOCAB,
-            kind=self._head_kind(),
+            kind=resolve_heads_kind(self.spec),
             sampling_max_seconds=None if seconds is None else seconds / 2,
             max_seconds=None if seconds is None else seconds / 2,
         )

@@ -20,6 +20,7 @@ from specroll_trl import (
 )
 from specroll_trl.adapt.buffer import BufferCapture, HeadBuffer
 from specroll_trl.adapt.consolidation import ConsolidationConfig, consolidate_heads, refresh_draft_vocab
+from specroll_trl.adapt.records import HeadRecords
 from specroll_trl.experiments import zoo
 from specroll_trl.experiments.shift import perturbed_policy
 
@@ -121,11 +122,13 @@ def test_capture_pairs_each_head_with_the_token_it_should_have_predicted():
     rows = [list(r) for r in out.completion_ids]
     steps = out.stats["forwards"] - 1
     assert 0 < len(buffer) <= steps * len(rows)
-    hidden, tok_ids, probs, tokens, valid = (t[: len(buffer)] for t in (buffer.hidden, buffer.ids, buffer.probs,
-                                                                          buffer.tokens, buffer.valid))
+    data = buffer.take(torch.arange(len(buffer)))
+    hidden, tok_ids, probs, tokens, valid = data.hidden, data.target_ids, data.target_probs, data.tokens, data.valid
     root = model.lm_head(hidden).argmax(-1)  # greedy: h_t's own next token is the step's root
     full = valid.all(1)
     assert full.sum() > 10
+    assert torch.equal(data.path[:, 0], root)  # the path starts at the root, then follows the realised tokens
+    assert torch.equal(data.path[:, 1:][full], tokens[:, :-1][full])
     for r, toks in zip(root[full].tolist(), tokens[full].tolist()):
         window = [r, *toks]
         assert any(row[i : i + len(window)] == window for row in rows for i in range(len(row))), window
@@ -141,10 +144,10 @@ def test_buffer_is_a_bounded_ring_keeping_the_newest():
     for start in (0, 4):
         n = 4
         hidden = torch.arange(start, start + n).float()[:, None].expand(-1, 3)
-        buffer.add(hidden, torch.zeros((n, 2, 2), dtype=torch.long), torch.ones((n, 2, 2)),
-                   torch.zeros((n, 2), dtype=torch.long), torch.ones((n, 2), dtype=torch.bool))
+        buffer.add(records(hidden, torch.zeros((n, 2, 2), dtype=torch.long), torch.ones((n, 2, 2)),
+                           torch.zeros((n, 2), dtype=torch.long), torch.ones((n, 2), dtype=torch.bool)))
     assert len(buffer) == 5 and buffer.added == 8
-    assert sorted(buffer.hidden[:, 0].tolist()) == [3, 4, 5, 6, 7]
+    assert sorted(buffer.data.hidden[:, 0].tolist()) == [3, 4, 5, 6, 7]
 
 
 def test_capture_measures_candidate_regret_per_head(nano):
@@ -161,6 +164,13 @@ def test_capture_measures_candidate_regret_per_head(nano):
 # --------------------------------------------------------------------------- consolidation
 
 
+def records(hidden, ids, probs, tokens, valid, path=None):
+    """``HeadRecords`` (path tokens: the realised tokens shifted right, root 0, unless given)."""
+    if path is None:
+        path = torch.cat([torch.zeros_like(tokens[:, :1]), tokens[:, :-1]], 1)
+    return HeadRecords(hidden=hidden, path=path, target_ids=ids, target_probs=probs, tokens=tokens, valid=valid)
+
+
 def filled_buffer(model, seed=0, n=600, heads=2, topk=4):
     """Tuples whose targets a teacher set of heads produced from the hidden states: learnable structure."""
     gen = torch.Generator().manual_seed(seed)
@@ -169,7 +179,7 @@ def filled_buffer(model, seed=0, n=600, heads=2, topk=4):
     hidden = torch.randn((n, model.config.hidden_size), generator=gen)
     with torch.no_grad():
         top = torch.softmax(model.lm_head(teacher(hidden)), -1).topk(topk, dim=-1)
-    buffer.add(hidden, top.indices, top.values, top.indices[..., 0], torch.ones((n, heads), dtype=torch.bool))
+    buffer.add(records(hidden, top.indices, top.values, top.indices[..., 0], torch.ones((n, heads), dtype=torch.bool)))
     return buffer
 
 
@@ -211,7 +221,7 @@ def test_nan_or_an_exception_restores_the_heads(monkeypatch):
     heads = noisy_heads(model, num_heads=2, std=0.1)
     before = copy.deepcopy(heads.state_dict())
     buffer = filled_buffer(model)
-    buffer.hidden[: len(buffer)] = float("nan")
+    buffer.data.hidden[: len(buffer)] = float("nan")
     report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(steps=5, min_buffer=1))
     assert not report.ok and "nan" in report.reason.lower()
     assert all(torch.equal(before[k], v) for k, v in heads.state_dict().items())
@@ -249,7 +259,7 @@ def test_consolidation_brings_tokens_the_policy_now_emits_into_the_draft_vocabul
     model = make_model(vocab=32, hidden=32)
     buffer = filled_buffer(model)
     n = len(buffer)
-    buffer.tokens[:n, 0] = torch.tensor([20, 21, 22, 23, 24, 25, 26, 27, 0, 1])[torch.arange(n) % 10]
+    buffer.data.tokens[:n, 0] = torch.tensor([20, 21, 22, 23, 24, 25, 26, 27, 0, 1])[torch.arange(n) % 10]
     ids = list(range(10))  # 2..9 never realised; 20..27 realised but not proposable
     heads = SpeculativeHeads.from_model(model, num_heads=2, draft_ids=ids)
     report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(steps=30, lr=1e-2, min_buffer=1,
@@ -262,7 +272,7 @@ def test_consolidation_brings_tokens_the_policy_now_emits_into_the_draft_vocabul
                                                                                  vocab_refresh=0.0))
     assert report.vocab_swapped == 0 and fixed.draft_ids.tolist() == ids
     kept = heads.draft_ids.clone()
-    buffer.hidden[: len(buffer)] = float("nan")  # a failed re-fit puts the old vocabulary back too
+    buffer.data.hidden[: len(buffer)] = float("nan")  # a failed re-fit puts the old vocabulary back too
     report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(steps=5, min_buffer=1,
                                                                                  vocab_refresh=1.0))
     assert not report.ok and torch.equal(heads.draft_ids, kept)
@@ -290,7 +300,8 @@ def random_target_buffer(seed=0, n=600, vocab=32, hidden=32, heads=2, topk=4):
     buffer = HeadBuffer(1024, heads, hidden, topk)
     probs = torch.softmax(torch.randn((n, heads, topk), generator=gen), -1)
     ids = torch.stack([torch.randperm(vocab, generator=gen)[:topk] for _ in range(n * heads)]).view(n, heads, topk)
-    buffer.add(torch.randn((n, hidden), generator=gen), ids, probs, ids[..., 0], torch.ones((n, heads), dtype=bool))
+    buffer.add(records(torch.randn((n, hidden), generator=gen), ids, probs, ids[..., 0],
+                       torch.ones((n, heads), dtype=bool)))
     return buffer
 
 
@@ -399,7 +410,8 @@ def test_every_consolidation_field_is_reachable_from_the_trainer_config(tmp_path
 
     chosen = dict(trigger="every_round", delta=0.1, delta_r=0.2, patience=2, cooldown=1, window=3,
                   buffer_size=1000, buffer_topk=4, min_buffer=10, steps=3, max_seconds=5.0, batch_size=32, lr=1e-3,
-                  lambda_nll=0.1, mu=0.5, vocab_refresh=0.3, holdout_fraction=0.2)
+                  lambda_nll=0.1, mu=0.5, vocab_refresh=0.3, holdout_fraction=0.2, learn_min_new=100,
+                  learn_min_gain=0.05)
     assert set(chosen) | {"seed"} == {f.name for f in dataclasses.fields(ConsolidationConfig)}
     args = SpecGRPOConfig(output_dir=str(tmp_path), bf16=False, seed=7, spec_consolidation=True,
                           spec_consolidation_kwargs=chosen)

@@ -601,9 +601,10 @@ def test_grown_tree_is_the_best_closed_tree_of_its_beam():
     table = torch.randn(heads_n, dim, vocab)
     embed = torch.nn.Embedding(vocab, dim)
 
-    def head_step(depth, hidden, path):  # a stand-in head: logits depend on the last path token and the depth
+    def head_step(depth, hidden, path, path_tokens):  # a stand-in head: logits from the last path token and depth
+        assert path_tokens.shape == path.shape[:3] and torch.equal(embed(path_tokens), path)
         logits = path[:, :, -1] @ table[depth - 1] + hidden @ table[depth - 1]
-        return hidden, logits.log_softmax(-1), lambda index: index
+        return hidden + depth, logits.log_softmax(-1), lambda index: index
 
     root = torch.randint(vocab, (batch,))
     hidden = torch.randn(batch, dim)
@@ -628,17 +629,59 @@ def test_grown_tree_is_the_best_closed_tree_of_its_beam():
         assert all(len(s) == len(set(s)) for s in siblings.values())
     kept = tree.path_scores.topk(9, dim=-1).values
     assert torch.all(tree.path_scores.sort(-1, descending=True).values[:, :9] == kept)
-    # the chain's candidates at depth 1 are head 1's top-k from the root
+    # the root's candidates are head 1's top-k
     first = (embed(root) @ table[0] + hidden @ table[0]).topk(k, dim=-1).indices
-    assert torch.equal(grown.candidates[:, 0], first)
+    assert torch.equal(grown.frontier_ids[0][:, 0], first)
+    # along any root-to-node path: head d's proposal is the one made at the path's depth-d node, when it was run there
+    for b in range(batch):
+        for v in range(1, tree.size):
+            chain, node = [], v
+            while node >= 0:
+                chain.append(node)
+                node = int(tree.parent[b, node])
+            accepted = torch.full((batch, heads_n + 1), -1)
+            accepted[:, : len(chain)] = torch.tensor(chain[::-1])
+            z, candidates, proposed = grown.along(accepted)
+            for d in range(heads_n):
+                if d >= len(chain):
+                    assert not proposed[b, d]
+                    continue
+                node = chain[::-1][d]
+                in_frontier = d == 0 or int(tree.source[b, node]) in grown.frontier_source[d][b].tolist()
+                assert bool(proposed[b, d]) == in_frontier
+                if in_frontier:
+                    last = embed(tree.tokens[b, node]) if d else embed(root[b])
+                    expect = (last @ table[d] + hidden[b] @ table[d]).topk(k).indices
+                    assert candidates[b, d].tolist() == expect.tolist()
+                    assert torch.allclose(z[b, d], hidden[b] + d + 1)
 
 
-def test_path_heads_refuse_hooks_that_adjust_per_head_proposals():
-    from specroll_trl.adapt.reflex import HiddenStateReflex
+def test_hooks_adjust_path_heads_depth_by_depth_and_get_the_accepted_paths_proposals():
+    """On path heads, every draft call is one depth: all its slots are that depth's head, each with its path; the
+    feedback's proposals are those made at the accepted path's nodes, marked ``proposed`` only there."""
+    from specroll_trl.engine.hooks import StepHook
+
+    class Recorder(StepHook):
+        def start(self, context):
+            self.calls, self.steps = [], []
+
+        def adjust(self, rows, z, slots):
+            self.calls.append((slots.head.tolist(), None if slots.path is None else tuple(slots.path.shape)))
+            return z
+
+        def feedback(self, step):
+            self.steps.append(step)
 
     model = make_model()
-    heads = SpeculativeHeads.from_model(model, 2, kind="path")
-    gc = GenerationConfig(max_new_tokens=5, eos_token_id=1, pad_token_id=0)
-    engine = SpeculativeGenerator(model, heads, gc, capacity=8, hooks=[HiddenStateReflex()])
-    with pytest.raises(ValueError, match="path-conditioned heads"):
-        engine.generate(torch.tensor([[2, 3]]))
+    heads = noisy_heads(model, num_heads=3, kind="path")
+    gc = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=1, pad_token_id=0)
+    recorder = Recorder()
+    engine = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=6, topk_per_head=2, hooks=[recorder])
+    engine.generate(torch.tensor([[2, 3], [4, 5]]))
+    depths = [head for head, _ in recorder.calls]
+    assert all(len(set(h)) == 1 for h in depths) and {h[0] for h in depths} == {0, 1, 2}
+    assert all(path[2] == head[0] + 1 for head, path in recorder.calls)
+    for step in recorder.steps:
+        reached = (step.accepted[:, : heads.num_heads] >= 0)
+        assert not (step.proposed & ~reached).any() and step.proposed[:, 0].all()
+        assert step.z.shape[:2] == step.candidates.shape[:2] == step.proposed.shape

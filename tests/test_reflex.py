@@ -15,13 +15,14 @@ from specroll_trl.adapt.reflex import (
     reflex_hooks,
 )
 from specroll_trl.engine.generator import SpeculativeGenerator
-from specroll_trl.engine.hooks import GenerationContext, StepFeedback
+from specroll_trl.engine.hooks import DraftSlots, GenerationContext, StepFeedback
 from specroll_trl.engine.tree import DraftTree
 
 from .conftest import left_padded, make_model
 from .test_engine import PROMPTS, chi_square_pvalue, engine_samples, exact_completion_distribution, noisy_heads
 
 V, D, H = 128, 64, 2
+ALL = DraftSlots.all_heads(H)  # independent heads' slots: slot j is head j
 
 
 def context(batch=3, lm_head=None, input_ids=None, attention_mask=None):
@@ -60,7 +61,7 @@ def test_corrections_never_exceed_the_bound():
     reflex.memory.normal_(0, 10)
     reflex.rho.fill_(1.0)
     z = torch.randn(3, H, D)
-    out = reflex.adjust(torch.arange(3), z)
+    out = reflex.adjust(torch.arange(3), z, ALL)
     ratio = (out - z).norm(dim=-1) / z.norm(dim=-1)
     assert (ratio <= 0.3 + 1e-5).all() and (ratio > 0.29).all()
 
@@ -74,7 +75,7 @@ def test_noise_feedback_keeps_the_gate_shut_and_proposals_unchanged():
         p = torch.softmax(3 * torch.randn(3, V, generator=gen), -1)
         feed(reflex, rows, i, z, p, torch.randint(0, V, (3, H, 2), generator=gen))
         z_next = torch.randn(3, H, D, generator=gen)
-        assert torch.equal(reflex.adjust(rows, z_next), z_next)
+        assert torch.equal(reflex.adjust(rows, z_next, ALL), z_next)
     assert reflex.metrics()["reflex_gate"] == 0.0
 
 
@@ -88,13 +89,13 @@ def test_persistent_mismatch_opens_the_gate_and_improves_the_head():
     with torch.no_grad():
         before = torch.softmax(lm_head(z), -1)[0, :, target]
     for i in range(12):
-        z_used = reflex.adjust(rows, z)
+        z_used = reflex.adjust(rows, z, ALL)
         cand = lm_head(z_used).topk(2, -1).indices
         feed(reflex, rows, i, z_used, p, cand)
     gate = reflex.gate(rows)
     assert (gate > 0.5).all()
     with torch.no_grad():
-        after = torch.softmax(lm_head(reflex.adjust(rows, z)), -1)[0, :, target]
+        after = torch.softmax(lm_head(reflex.adjust(rows, z, ALL)), -1)[0, :, target]
     assert (after > before).all()
 
 
@@ -106,7 +107,7 @@ def test_state_is_per_row_and_reset_per_call():
         feed(reflex, torch.tensor([0]), i, torch.randn(1, H, D), p, torch.zeros((1, H, 2), dtype=torch.long))
     assert reflex.memory[0].abs().sum() > 0 and reflex.memory[1].abs().sum() == 0
     z = torch.randn(1, H, D)
-    assert torch.equal(reflex.adjust(torch.tensor([1]), z), z)
+    assert torch.equal(reflex.adjust(torch.tensor([1]), z, ALL), z)
     reflex.start(context(2, lm_head))
     assert reflex.memory.abs().sum() == 0 and reflex.rho.abs().sum() == 0
 
@@ -123,11 +124,17 @@ FORCED = ("baseline", dict(eta=5.0, rho_min=-1.0 + 1e-3))
 GROUP_LOOKUP = ("lookup-group", dict(prior=0.6, group_size=2))  # prompts repeat 12000x
 
 
-@pytest.mark.parametrize("settings,preset", [(dict(temperature=1.0, top_k=0), FORCED), (HARD, FORCED),
-                                             (HARD, GROUP_LOOKUP)])
-def test_engine_stays_exact_with_reflex_on(settings, preset, monkeypatch):
+LOOKUP = ("lookup", dict(prior=0.6))
+
+
+@pytest.mark.parametrize("settings,preset,kind", [
+    (dict(temperature=1.0, top_k=0), FORCED, "independent"), (HARD, FORCED, "independent"),
+    (HARD, GROUP_LOOKUP, "independent"), (HARD, LOOKUP, "independent"),
+    (dict(temperature=1.0, top_k=0), FORCED, "path"), (HARD, FORCED, "path"), (HARD, GROUP_LOOKUP, "path"),
+    (HARD, LOOKUP, "path")])
+def test_engine_stays_exact_with_reflex_on(settings, preset, kind, monkeypatch):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
-    heads = noisy_heads(model, std=0.4, seed=1)
+    heads = noisy_heads(model, std=0.4, seed=1, kind=kind)
     gc = GenerationConfig(do_sample=True, max_new_tokens=3, eos_token_id=1, pad_token_id=0, **settings)
     original = SpeculativeGenerator.__init__
 
@@ -142,10 +149,12 @@ def test_engine_stays_exact_with_reflex_on(settings, preset, monkeypatch):
         assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
 
 
-@pytest.mark.parametrize("preset", [("baseline", dict(rho_min=-0.99)), ("lookup", {})])
-def test_engine_with_reflex_greedy_equals_generate(preset):
+@pytest.mark.parametrize("kind", ["independent", "path"])
+@pytest.mark.parametrize("preset", [("baseline", dict(rho_min=-0.99)), ("lookup", {}), ("lookup-group", {}),
+                                    ("baseline+lookup", dict(rho_min=-0.99))])
+def test_engine_with_reflex_greedy_equals_generate(preset, kind):
     model = make_model(vocab=40, scale=4.0, seed=3)
-    heads = noisy_heads(model, std=0.3)
+    heads = noisy_heads(model, std=0.3, kind=kind)
     ids, mask = left_padded([[5, 6, 7, 8], [3, 4], [9]])
     gc = GenerationConfig(do_sample=False, max_new_tokens=25, eos_token_id=1, pad_token_id=0)
     out = SpeculativeGenerator(model, heads, gc, capacity=64, hooks=reflex_hooks(preset[0], **preset[1])).generate(
@@ -235,7 +244,7 @@ def test_lookup_offers_the_continuation_of_the_latest_match():
     offer = reflex.offers(torch.tensor([0]))
     assert offer.tolist() == [[12, 13]]  # bigram (10, 11) matched at prompt positions 2-3
     logp = torch.log_softmax(torch.randn(1, H, V), -1)
-    out = reflex.adjust_logprobs(torch.tensor([0]), logp)
+    out = reflex.adjust_logprobs(torch.tensor([0]), logp, ALL)
     w = reflex.config.prior
     for d, token in enumerate([12, 13]):
         expected = torch.log((1 - w) * logp[0, d, token].exp() + w)
@@ -244,11 +253,12 @@ def test_lookup_offers_the_continuation_of_the_latest_match():
     assert (out <= 0).all()
 
 
-def test_lookup_raises_acceptance_on_a_persistent_pattern_the_heads_miss():
+@pytest.mark.parametrize("kind", ["independent", "path"])
+def test_lookup_raises_acceptance_on_a_persistent_pattern_the_heads_miss(kind):
     """Greedy decoding of a random model falls into short cycles; poor heads miss them, Reflex's lookup learns
-    them from the verified tokens (and the output stays generate's)."""
+    them from the verified tokens (and the output stays generate's), on both head kinds."""
     model = make_model(vocab=40, scale=4.0, seed=3)
-    heads = noisy_heads(model, std=0.3)
+    heads = noisy_heads(model, std=0.3, kind=kind)
     ids, mask = left_padded([[5, 6, 7, 8], [3, 4], [9], [11, 12, 13]])
     gc = GenerationConfig(do_sample=False, max_new_tokens=60, eos_token_id=1, pad_token_id=0)
     static = SpeculativeGenerator(model, heads, gc, capacity=64).generate(ids, mask)

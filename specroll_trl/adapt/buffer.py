@@ -1,69 +1,72 @@
-"""Training tuples for the slow path, captured from verification.
+"""Training records for the slow path, captured from verification.
 
-``BufferCapture`` is a step hook. Every step it records, per row, the heads' input ``h_t`` and, for every
-token committed, the top-K of the target distribution it was sampled from plus the token itself. When the
-``generate`` call ends it pairs them: head ``d`` at ``h_t`` gets the target of completion index
-``root + d`` (resolved later than the step that proposed it, exactly as Reflex's delayed feedback) and
-pushes ``(h_t, ids [H, K], probs [H, K], token [H], valid [H])`` into a bounded ring, ``HeadBuffer``.
-It also measures, per ``generate`` call, each head's acceptance and candidate regret
-``1 - sum_{c in candidates} p(c)`` at verified nodes: the drift monitor's two signals. Everything is detached;
-nothing here needs gradients.
+``BufferCapture`` is a step hook. Every step it records, per row, the heads' input ``h_t``, the root token and, for
+every token committed, the top-K of the target distribution it was sampled from plus the token itself. When the
+``generate`` call ends it pairs them: the anchor of a step whose root is completion index ``r`` gets the path tokens
+``x_{r..r+H-1}`` and, for head ``d``, the target and realised token of index ``r + d`` (resolved later than the step
+that proposed it, exactly as Reflex's delayed feedback), as ``records.HeadRecords`` pushed into a bounded ring,
+``HeadBuffer``; the slow path fits them with the offline distillation's loss, on either head kind. Anchors are
+recorded whether or not the step drafted, so heads too weak to be drafted with still get data. It also measures,
+per ``generate`` call, each head's acceptance and candidate regret ``1 - sum_{c in candidates} p(c)`` at verified
+nodes: the drift monitor's two signals. Everything is detached; nothing here needs gradients.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from ..engine.hooks import GenerationContext, StepFeedback, StepHook
+from .records import HeadRecords
 
 
 class HeadBuffer:
-    """A bounded ring of detached head-training tuples; the oldest are overwritten first."""
+    """A bounded ring of detached ``HeadRecords``; the oldest are overwritten first. ``data`` holds every slot
+    (the first ``len(self)`` are filled); ``added`` counts every record ever added."""
 
     def __init__(self, capacity: int, num_heads: int, hidden_size: int, topk: int):
         if capacity < 1 or topk < 1:
             raise ValueError(f"buffer capacity and topk must be >= 1, got {capacity} and {topk}")
         self.capacity, self.num_heads, self.topk = capacity, num_heads, topk
-        self.hidden = torch.zeros((capacity, hidden_size))
-        self.ids = torch.zeros((capacity, num_heads, topk), dtype=torch.long)
-        self.probs = torch.zeros((capacity, num_heads, topk))
-        self.tokens = torch.zeros((capacity, num_heads), dtype=torch.long)
-        self.valid = torch.zeros((capacity, num_heads), dtype=torch.bool)
+        self.data = HeadRecords(
+            hidden=torch.zeros((capacity, hidden_size)), path=torch.zeros((capacity, num_heads), dtype=torch.long),
+            target_ids=torch.zeros((capacity, num_heads, topk), dtype=torch.long),
+            target_probs=torch.zeros((capacity, num_heads, topk)),
+            tokens=torch.zeros((capacity, num_heads), dtype=torch.long),
+            valid=torch.zeros((capacity, num_heads), dtype=torch.bool))
         self.size = self.cursor = 0
         self.added = 0
 
     def __len__(self) -> int:
         return self.size
 
-    def add(self, hidden, ids, probs, tokens, valid) -> None:
-        n = hidden.shape[0]
+    def add(self, records: HeadRecords) -> None:
+        n = len(records)
         if n == 0:
             return
         if n > self.capacity:  # keep the newest
-            hidden, ids, probs, tokens, valid = (t[-self.capacity:] for t in (hidden, ids, probs, tokens, valid))
+            records = HeadRecords(**{f.name: getattr(records, f.name)[-self.capacity:] for f in fields(records)})
             n = self.capacity
         slots = (self.cursor + torch.arange(n)) % self.capacity
-        self.hidden[slots] = hidden.detach().float().cpu()
-        self.ids[slots] = ids.cpu()
-        self.probs[slots] = probs.detach().float().cpu()
-        self.tokens[slots] = tokens.cpu()
-        self.valid[slots] = valid.cpu()
+        for f in fields(records):
+            store = getattr(self.data, f.name)
+            store[slots] = getattr(records, f.name).detach().to(store.dtype).cpu()
         self.cursor = int((self.cursor + n) % self.capacity)
         self.size = min(self.capacity, self.size + n)
         self.added += n
 
     def sample(self, n: int, generator: torch.Generator | None = None, among: torch.Tensor | None = None):
-        """``n`` tuples drawn uniformly with replacement (from the slots ``among``, default all):
-        ``(hidden, ids, probs, tokens, valid)``."""
+        """``n`` records drawn uniformly with replacement (from the slots ``among``, default all)."""
         if self.size == 0:
             raise ValueError("the head buffer is empty")
         if among is None:
             return self.take(torch.randint(self.size, (n,), generator=generator))
         return self.take(among[torch.randint(len(among), (n,), generator=generator)])
 
-    def take(self, index: torch.Tensor):
-        """The tuples at slots ``index``."""
-        return self.hidden[index], self.ids[index], self.probs[index], self.tokens[index], self.valid[index]
+    def take(self, index: torch.Tensor) -> HeadRecords:
+        """The records at slots ``index``."""
+        return HeadRecords(**{f.name: getattr(self.data, f.name)[index] for f in fields(self.data)})
 
     def clear(self) -> None:
         self.size = self.cursor = 0
@@ -85,6 +88,7 @@ class BufferCapture(StepHook):
             raise ValueError(f"buffer holds {self.buffer.num_heads} heads, the engine runs {context.num_heads}")
         self._batch = context.batch_size
         self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, root_index, hidden)
+        # per row and completion index: the target's top-K there and the committed token (roots included)
         self._ids = self._probs = self._tokens = None
         self.regret_sum.zero_()
         self.regret_count.zero_()
@@ -122,13 +126,16 @@ class BufferCapture(StepHook):
         self._ids[r[write], index[write], :k] = top_ids[write]
         self._probs[r[write], index[write], :k] = top_p[write]
         self._tokens[r[write], index[write]] = step.emitted[write]
+        self._tokens[rows, step.root_index] = step.tree.tokens[:, 0]  # the anchor's path starts at its root
         if step.candidates is not None:
             depth = min(width - 1, self.buffer.num_heads)  # rows whose accepted path reaches depth d + 1
             self.accepted[:depth] += (step.accepted[:, 1 : depth + 1] >= 0).sum(0).double().cpu()
             self.drafted += len(rows)
             heads = min(step.candidates.shape[1], width)  # head d's target is this step's token d-1, if any
-            covered = p[:, :heads].gather(2, step.candidates[:, :heads]).sum(-1)  # [B, heads]
+            covered = p[:, :heads].gather(2, step.candidates[:, :heads].clamp(min=0)).sum(-1)  # [B, heads]
             seen = torch.arange(heads, device=rows.device)[None] < step.count[:, None]
+            if step.proposed is not None:  # path heads: only where a head ran on the accepted path
+                seen = seen & step.proposed[:, :heads]
             self.regret_sum[:heads] += ((1 - covered) * seen).sum(0).double().cpu()
             self.regret_count[:heads] += seen.sum(0).double().cpu()
 
@@ -147,7 +154,8 @@ class BufferCapture(StepHook):
         valid = target < lengths.to(roots.device)[rows][:, None]
         target = target.clamp(max=self._ids.shape[1] - 1)
         r = rows[:, None].expand(-1, heads)
-        self.buffer.add(hidden, self._ids[r, target], self._probs[r, target], self._tokens[r, target], valid)
+        self.buffer.add(HeadRecords(hidden=hidden, path=self._tokens[r, target - 1], target_ids=self._ids[r, target],
+                                    target_probs=self._probs[r, target], tokens=self._tokens[r, target], valid=valid))
         self._steps = []
 
     def pop_rounds(self) -> list[tuple[list[float] | None, list[float] | None]]:

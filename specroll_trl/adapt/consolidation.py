@@ -1,17 +1,24 @@
-"""Head-only consolidation, the slow path: re-fit the heads on captured tuples when drift fires.
+"""Head-only consolidation, the slow path: re-fit the heads on captured records when drift fires, or while re-fits
+still pay.
 
 ``consolidate_heads`` minimises, over the heads' trainable parameters only (their LoRA adapters when the
-heads are PEFT-wrapped; the backbone and ``lm_head`` are read, never updated),
-``sum_d [KL(p_d || q_d) + lambda_nll * CE(x_{t+1+d})] + mu * ||theta - theta_anchor||^2``, where ``p_d`` is the
-captured top-K target distribution and ``theta_anchor`` the parameters when the update starts. It is bounded
-in steps and seconds; on NaN, an exception or out-of-memory it restores the previous heads and reports why.
+heads are PEFT-wrapped; the backbone, ``lm_head`` and input embedding are read, never updated),
+``mean_d [KL(p_d || q_d) + lambda_nll * CE(x_{t+1+d})] + mu * ||theta - theta_anchor||^2`` (the offline
+distillation's loss, ``records.head_fit_loss``, on either head kind: path heads read the records' path tokens
+through the input embedding), where ``p_d`` is the captured top-K target distribution and ``theta_anchor`` the
+parameters when the update starts. It is bounded in steps and seconds; on NaN, an exception or out-of-memory it
+restores the previous heads and reports why.
 Heads with a draft vocabulary first refresh it (``refresh_draft_vocab``): tokens the policy now emits that the heads
 cannot propose replace draft tokens it no longer uses. The loss only touches the draft vocabulary's rows of
 ``lm_head``, never a softmax over the whole vocabulary.
 
 ``ConsolidationCallback`` wires a ``BufferCapture`` (an engine hook filling a ``HeadBuffer``), a ``DriftMonitor``
 and ``consolidate_heads`` into any Trainer loop: at ``on_step_end`` it reads the rounds the capture saw and
-re-fits the heads when the monitor fires.
+re-fits the heads when the monitor fires, or when the buffer holds ``learn_min_new`` records newer than the last
+re-fit and that re-fit's held-out gain reached ``learn_min_gain`` (young heads keep learning from the rollouts;
+settled ones wait for drift). This second trigger counts records, not drafted rounds, so heads too weak to be
+drafted with learn too. Under several processes every rank decides together and rank 0's re-fitted heads are
+broadcast, so all ranks draft with identical heads.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from ..engine.heads import VocabProjection, lm_head_shape
+from ..engine.heads import lm_head_shape
 from .buffer import BufferCapture, HeadBuffer
 from .drift import DriftMonitor
+from .records import head_fit_loss
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +62,13 @@ class ConsolidationConfig:
     window: int = field(default=4, metadata={"help": "rounds averaged into each monitored value (block mean)."})
     buffer_size: int = field(
         default=4096,
-        metadata={"help": "tuples kept in the ring buffer (newest first: about 4 rounds of 8 rows x 128 tokens, so "
-                          "tuples from before a shift age out quickly)."})
-    buffer_topk: int = field(default=8, metadata={"help": "target probabilities kept per tuple and head."})
-    min_buffer: int = field(default=2048, metadata={"help": "do not consolidate on fewer tuples than this."})
+        metadata={"help": "records kept in the ring buffer (newest first: about 4 rounds of 8 rows x 128 tokens, so "
+                          "records from before a shift age out quickly)."})
+    buffer_topk: int = field(default=8, metadata={"help": "target probabilities kept per record and head."})
+    min_buffer: int = field(default=2048, metadata={"help": "do not consolidate on fewer records than this."})
     steps: int = field(default=60, metadata={"help": "optimiser steps per consolidation."})
     max_seconds: float = field(default=30.0, metadata={"help": "wall-clock bound per consolidation."})
-    batch_size: int = field(default=256, metadata={"help": "tuples per optimiser step."})
+    batch_size: int = field(default=256, metadata={"help": "records per optimiser step."})
     lr: float = field(default=3e-3, metadata={"help": "Adam learning rate."})
     lambda_nll: float = field(default=0.5, metadata={"help": "weight of cross-entropy on the realised token."})
     mu: float = field(default=0.01, metadata={"help": "weight of the proximal term ``||theta - theta_anchor||^2``."})
@@ -74,14 +82,25 @@ class ConsolidationConfig:
         default=0.1,
         metadata={"help": "share of the buffer kept out of the re-fit; the new heads are kept only if their loss on it "
                           "improved (otherwise the previous heads are restored: a re-fit that only memorised recent "
-                          "tuples is rejected). 0 disables the check."},
+                          "records is rejected). 0 disables the check."},
     )
+    learn_min_new: int = field(
+        default=2048,
+        metadata={"help": "records added since the last re-fit before a learning re-fit (the trigger that fires "
+                          "while re-fits still pay, independent of drift and of drafting)."})
+    learn_min_gain: float | None = field(
+        default=0.02,
+        metadata={"help": "relative fall of the held-out loss the last re-fit must have reached for the next "
+                          "learning re-fit (the first one always runs once ``learn_min_new`` records are in). "
+                          "``None``: re-fit on drift only."})
     seed: int = field(default=0, metadata={"help": "seeds the minibatch draws."})
 
     def __post_init__(self):
         if self.trigger not in ("drift", "every_round"):
             raise ValueError(f"consolidation trigger must be 'drift' or 'every_round', got {self.trigger!r}")
-        for name in ("buffer_size", "buffer_topk", "min_buffer", "steps", "batch_size"):
+        if self.learn_min_gain is not None and not 0 <= self.learn_min_gain < 1:
+            raise ValueError(f"consolidation learn_min_gain must be in [0, 1) or None, got {self.learn_min_gain}")
+        for name in ("buffer_size", "buffer_topk", "min_buffer", "steps", "batch_size", "learn_min_new"):
             if getattr(self, name) < 1:
                 raise ValueError(f"consolidation {name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_seconds", "lr"):
@@ -99,7 +118,7 @@ class ConsolidationConfig:
 @dataclass
 class ConsolidationReport:
     """What one consolidation did. ``ok`` False: the heads are unchanged (restored, or ``skipped`` before any
-    work, e.g. too few tuples); ``reason`` says why."""
+    work, e.g. too few records); ``reason`` says why."""
 
     ok: bool
     skipped: bool = False
@@ -114,28 +133,10 @@ class ConsolidationReport:
     vocab_swapped: int = 0
     reason: str = ""
 
-
-def refuse_path_heads(heads: torch.nn.Module) -> None:
-    """The buffer keeps, per anchor, ``h_t`` and the targets, not the path tokens path-conditioned heads read: they
-    cannot be re-fitted from it."""
-    if getattr(heads, "reads_path", False):
-        raise ValueError("the slow path (consolidation) re-fits independent heads only; these heads are "
-                         "path-conditioned (kind='path'): turn consolidation off or use independent heads")
-
-
-def consolidation_loss(heads, projection: VocabProjection, batch, lambda_nll: float) -> torch.Tensor:
-    """Mean over valid (tuple, head) pairs of ``KL(p || q) + lambda_nll * CE(token)``, ``p`` on its top-K within the
-    heads' vocabulary (renormalised there)."""
-    hidden, ids, probs, tokens, valid = batch
-    logq = torch.log_softmax(projection(heads(hidden)).float(), dim=-1)  # [N, H, V]
-    index = projection.index_of(ids)
-    p = probs * (index >= 0)
-    p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
-    kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, index.clamp(min=0)))).sum(-1)
-    realised = projection.index_of(tokens)
-    nll = -logq.gather(-1, realised.clamp(min=0)[..., None]).squeeze(-1) * (realised >= 0)
-    weight = valid.float()
-    return ((kl + lambda_nll * nll) * weight).sum() / weight.sum().clamp(min=1)
+    @property
+    def gain(self) -> float:
+        """Relative fall of the held-out loss (NaN without a held-out split or a finished fit)."""
+        return (self.heldout_before - self.heldout_after) / self.heldout_before if self.heldout_before else math.nan
 
 
 def refresh_draft_vocab(heads, lm_head: torch.nn.Module, tokens: torch.Tensor, max_share: float) -> int:
@@ -159,20 +160,25 @@ def refresh_draft_vocab(heads, lm_head: torch.nn.Module, tokens: torch.Tensor, m
 
 
 def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: HeadBuffer,
-                      config: ConsolidationConfig | None = None) -> ConsolidationReport:
-    """Re-fit ``heads``' trainable parameters on ``buffer``; restore them if anything goes wrong.
+                      config: ConsolidationConfig | None = None, embed: torch.nn.Module | None = None
+                      ) -> ConsolidationReport:
+    """Re-fit ``heads``' trainable parameters on ``buffer``; restore them if anything goes wrong. ``embed``: the
+    target's input embedding, which path-conditioned heads read (required for them).
 
-    Steps: refuse or skip (no trainable parameters, too few tuples); split the buffer into train and held-out
-    tuples; refresh the draft vocabulary; fit; keep the new heads only if the held-out loss fell. Any error, or
+    Steps: skip (no trainable parameters, too few records); split the buffer into train and held-out
+    records; refresh the draft vocabulary; fit; keep the new heads only if the held-out loss fell. Any error, or
     non-finite parameters, restores the previous heads (draft vocabulary included)."""
-    refuse_path_heads(heads)
+    if getattr(heads, "reads_path", False) and embed is None:
+        raise ValueError("path-conditioned heads (kind='path') read the input embedding: pass `embed` "
+                         "(the policy's get_input_embeddings()) to re-fit them")
     config = config or ConsolidationConfig()
     start = time.perf_counter()
-    refit = _Refit(heads, lm_head, buffer, config)
+    refit = _Refit(heads, lm_head, buffer, config, embed)
     if refit.skip_reason:
         return ConsolidationReport(ok=False, skipped=True, reason=refit.skip_reason)
     backup = {k: v.detach().clone() for k, v in heads.state_dict().items()}  # draft_ids included
-    realised = buffer.tokens[refit.train, 0][buffer.valid[refit.train, 0]]  # head 1's targets: each token once
+    data = buffer.data
+    realised = data.tokens[refit.train, 0][data.valid[refit.train, 0]]  # head 1's targets: each token once
     report = ConsolidationReport(ok=True, vocab_swapped=refresh_draft_vocab(heads, lm_head, realised,
                                                                          config.vocab_refresh))
     was_training = heads.training
@@ -194,14 +200,14 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
 
 
 class _Refit:
-    """One consolidation's data and optimisation: the buffer split into train / held-out tuples, the proximal
+    """One consolidation's data and optimisation: the buffer split into train / held-out records, the proximal
     anchor, and the fitting loop."""
 
-    def __init__(self, heads, lm_head, buffer: HeadBuffer, config: ConsolidationConfig):
-        self.heads, self.buffer, self.config = heads, buffer, config
+    def __init__(self, heads, lm_head, buffer: HeadBuffer, config: ConsolidationConfig, embed=None):
+        self.heads, self.buffer, self.config, self.embed = heads, buffer, config, embed
         self.params = [p for p in heads.parameters() if p.requires_grad]
         self.skip_reason = ("heads have no trainable parameters" if not self.params else
-                            f"buffer holds {len(buffer)} tuples, fewer than {config.min_buffer}"
+                            f"buffer holds {len(buffer)} records, fewer than {config.min_buffer}"
                             if len(buffer) < config.min_buffer else "")
         self.weight = lm_head.weight
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -211,19 +217,18 @@ class _Refit:
         self.anchor = [p.detach().clone() for p in self.params]
         self.lm_head = lm_head
 
-    def _on_device(self, batch):
-        batch = [t.to(self.weight.device) for t in batch]
-        batch[0] = batch[0].to(self.weight.dtype)
-        return batch
+    def loss(self, projection, records) -> torch.Tensor:
+        """The fit loss of ``records``: the distillation loss (``head_fit_loss``), averaged over heads."""
+        records = records.to(self.weight.device, self.weight.dtype)
+        return head_fit_loss(self.heads, projection, records, self.embed, 1.0, self.config.lambda_nll).mean()
 
     def heldout_loss(self) -> float:
-        """The fit loss on (up to 4,096) held-out tuples; NaN without a held-out split."""
+        """The fit loss on (up to 4,096) held-out records; NaN without a held-out split."""
         if not len(self.held):
             return math.nan
         projection = self.heads.projection(self.lm_head)  # after the vocabulary refresh
         with torch.no_grad():
-            batch = self._on_device(self.buffer.take(self.held[:4096]))
-            return float(consolidation_loss(self.heads, projection, batch, self.config.lambda_nll))
+            return float(self.loss(projection, self.buffer.take(self.held[:4096])))
 
     def fit(self, report: ConsolidationReport, deadline: float) -> None:
         """``config.steps`` Adam steps (or until ``deadline``) on the fit loss plus the proximal penalty."""
@@ -232,8 +237,7 @@ class _Refit:
         optimizer = torch.optim.Adam(params, lr=config.lr)
         with torch.enable_grad():
             for step in range(config.steps):
-                batch = self._on_device(self.buffer.sample(config.batch_size, self.generator, among=self.train))
-                fit = consolidation_loss(self.heads, projection, batch, config.lambda_nll)
+                fit = self.loss(projection, self.buffer.sample(config.batch_size, self.generator, among=self.train))
                 loss = fit + config.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, self.anchor))
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"consolidation loss is {float(loss.detach())} at step {step}")
@@ -250,7 +254,7 @@ class _Refit:
         report.param_step = float(sum(((p.detach() - a) ** 2).sum() for p, a in zip(params, self.anchor)).sqrt())
 
     def judge(self, report: ConsolidationReport, backup: dict) -> None:
-        """Keep the new heads only if their held-out loss fell (a re-fit that memorised recent tuples is undone)."""
+        """Keep the new heads only if their held-out loss fell (a re-fit that memorised recent records is undone)."""
         report.heldout_after = self.heldout_loss()
         if len(self.held) and not report.heldout_after < report.heldout_before:
             self.heads.load_state_dict(backup)
@@ -259,36 +263,71 @@ class _Refit:
                              f"{report.heldout_after:.4f}); previous heads kept")
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+
+
+def broadcast_heads(heads: torch.nn.Module) -> None:
+    """Give every rank rank 0's heads (weights and draft vocabulary), in place; a no-op in a single process."""
+    if _distributed():
+        for tensor in heads.state_dict().values():
+            torch.distributed.broadcast(tensor, src=0)
+
+
 class ConsolidationCallback(TrainerCallback):
-    """Drift-triggered, head-only consolidation as a ``TrainerCallback`` (``SpecGRPOTrainer`` adds it when
-    ``spec_consolidation=True``; any Trainer loop can use it).
+    """Head-only consolidation as a ``TrainerCallback`` (``SpecGRPOTrainer`` adds it when ``spec_consolidation=True``;
+    any Trainer loop can use it).
 
     Register ``capture`` as a hook of the engine that generates the rollouts. At every ``on_step_end`` the
-    callback feeds each generation round the capture saw to the drift monitor and, when it fires (or every
-    round with ``trigger="every_round"``), re-fits the heads on the captured tuples: outside generation and the
-    policy's backward pass, touching only the heads.
+    callback feeds each generation round the capture saw to the drift monitor and re-fits the heads on the
+    captured records when it fires (or every round with ``trigger="every_round"``), or when a learning re-fit is
+    due (:meth:`learning_due`): outside generation and the policy's backward pass, touching only the heads.
 
     Args:
-        heads: the speculative heads (PEFT-wrapped or not); updated in place.
+        heads: the speculative heads (PEFT-wrapped or not, either kind); updated in place.
         lm_head: the target's output projection the heads share (read only).
         config: slow-path settings.
         log: called with a dict of ``spec/...`` metrics after each step's rounds and each consolidation.
+        embed: the target's input embedding (read only), needed by path-conditioned heads.
     """
 
     def __init__(self, heads: torch.nn.Module, lm_head: torch.nn.Module, config: ConsolidationConfig | None = None,
-                 log: Callable[[dict[str, float]], None] | None = None):
-        refuse_path_heads(heads)
+                 log: Callable[[dict[str, float]], None] | None = None, embed: torch.nn.Module | None = None):
+        if getattr(heads, "reads_path", False) and embed is None:
+            raise ValueError("path-conditioned heads (kind='path') read the input embedding: pass `embed` to "
+                             "ConsolidationCallback")
         c = self.config = config or ConsolidationConfig()
-        self.heads, self.lm_head = heads, lm_head
+        self.heads, self.lm_head, self.embed = heads, lm_head, embed
         self.log = log or (lambda metrics: None)
         num_heads = heads.num_heads
         self.monitor = DriftMonitor(num_heads, c.delta, c.delta_r, c.patience, c.cooldown, c.window)
         self.buffer = HeadBuffer(c.buffer_size, num_heads, lm_head.weight.shape[1], c.buffer_topk)
         self.capture = BufferCapture(self.buffer)
         self.pending = False
-        self.count = self.failures = self.rejected = 0
+        self.count = self.failures = self.rejected = self.learning = 0
         self.seconds = 0.0
         self.last_report: ConsolidationReport | None = None
+        self.last_gain: float | None = None  # held-out gain of the last re-fit that ran (None: none yet)
+        self.added_at_refit = 0  # buffer.added when the last re-fit ran
+
+    def learning_due(self) -> bool:
+        """Whether a re-fit still pays: ``learn_min_new`` records arrived since the last re-fit, and that re-fit's
+        held-out gain reached ``learn_min_gain`` (or none ran yet). Counts records, not drafted rounds."""
+        c = self.config
+        if c.learn_min_gain is None or len(self.buffer) < c.min_buffer:
+            return False
+        if self.buffer.added - self.added_at_refit < c.learn_min_new:
+            return False
+        return self.last_gain is None or self.last_gain >= c.learn_min_gain
+
+    def _agreed(self, fire: bool) -> bool:
+        """Rank 0's decision on every rank: a re-fit runs everywhere, then rank 0's heads are broadcast."""
+        if not _distributed():
+            return fire
+        flag = torch.tensor([1.0 if fire else 0.0], device=self.lm_head.weight.device)
+        torch.distributed.broadcast(flag, src=0)
+        return bool(flag.item() > 0)
 
     def observe(self, accept_per_head: list[float] | None, regret: list[float] | None) -> dict[str, float]:
         """One generation round (``None`` where it drafted nothing); returns the drift metrics."""
@@ -301,9 +340,13 @@ class ConsolidationCallback(TrainerCallback):
         return metrics
 
     def consolidate(self) -> ConsolidationReport:
-        report = consolidate_heads(self.heads, self.lm_head, self.buffer, self.config)
+        report = consolidate_heads(self.heads, self.lm_head, self.buffer, self.config, self.embed)
+        broadcast_heads(self.heads)
         self.last_report = report
         self.seconds += report.seconds
+        if not report.skipped:
+            self.added_at_refit = self.buffer.added
+            self.last_gain = report.gain if report.ok else 0.0
         if report.ok:
             self.count += 1
             self.monitor.reset_reference()
@@ -316,23 +359,29 @@ class ConsolidationCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         for accept, regret in self.capture.pop_rounds():
             self.log(self.observe(accept, regret))
-        if not self.pending:
+        drift = self.pending
+        learn = not drift and self.learning_due()
+        if not self._agreed(drift or learn):
             return control
         self.pending = False
         report = self.consolidate()
+        self.learning += int(learn)
         metrics = {"spec/consolidations": float(self.count), "spec/consolidation_seconds": report.seconds,
                    "spec/consolidation_failures": float(self.failures),
-                   "spec/consolidation_rejected": float(self.rejected)}
+                   "spec/consolidation_rejected": float(self.rejected),
+                   "spec/consolidation_learning": float(self.learning)}
         if report.ok:
             metrics.update({"spec/consolidation_loss_before": report.loss_before,
                             "spec/consolidation_loss_after": report.loss_after,
+                            "spec/consolidation_gain": report.gain,
                             "spec/consolidation_vocab_swapped": float(report.vocab_swapped)})
         self.log(metrics)
         return control
 
     def state_dict(self) -> dict:
         return {"config": asdict(self.config), "monitor": self.monitor.state_dict(), "count": self.count,
-                "failures": self.failures, "rejected": self.rejected, "seconds": self.seconds, "pending": self.pending}
+                "failures": self.failures, "rejected": self.rejected, "seconds": self.seconds, "pending": self.pending,
+                "learning": self.learning, "last_gain": self.last_gain}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("monitor") is not None:
@@ -340,3 +389,5 @@ class ConsolidationCallback(TrainerCallback):
         self.count, self.failures = int(state.get("count", 0)), int(state.get("failures", 0))
         self.rejected = int(state.get("rejected", 0))
         self.seconds, self.pending = float(state.get("seconds", 0.0)), bool(state.get("pending", False))
+        self.learning, self.last_gain = int(state.get("learning", 0)), state.get("last_gain")
+        self.added_at_refit = 0  # the buffer starts empty again

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..engine.heads import HEAD_KINDS, SpeculativeHeads, VocabProjection, lm_head_of, path_embeddings
+from ..engine.heads import HEAD_KINDS, SpeculativeHeads, VocabProjection, lm_head_of
+from .records import HeadRecords, head_fit_loss, record_states
 
 REPORT_FILE = "distill_report.json"
 
@@ -111,6 +112,14 @@ class TokenStream:
         token = self.ids[torch.where(valid, pos + 1, anchors[:, None])]
         return pos, token, valid
 
+    def records(self, anchors: torch.Tensor, num_heads: int) -> HeadRecords:
+        """The head-training records of ``anchors`` (path tokens ``ids[t+1..t+H]``, clamped to the stream; what
+        runs past a sequence's end is masked by ``valid``)."""
+        pos, token, valid = self.targets(anchors, num_heads)
+        path = self.ids[(anchors[:, None] + torch.arange(1, num_heads + 1)).clamp(max=len(self.ids) - 1)]
+        return HeadRecords(hidden=self.hidden[anchors], path=path, target_ids=self.top_ids[pos],
+                           target_probs=self.top_probs[pos], tokens=token, valid=valid)
+
 
 @torch.no_grad()
 def sample_sequences(model, prompt_ids: list[list[int]], config: HeadDistillConfig, pad_token_id: int,
@@ -190,33 +199,12 @@ def draft_vocabulary(stream: TokenStream, size: int, always: list[int]) -> torch
     return order[: min(size, int((counts > 0).sum()))].sort().values
 
 
-def head_states(heads: SpeculativeHeads, stream: TokenStream, anchors: torch.Tensor, embed=None) -> torch.Tensor:
-    """``z [A, H, D]`` of the heads at ``anchors``; path heads read the embeddings (``embed``: the target's input
-    embedding) of the realised tokens after each anchor."""
-    device = next(heads.parameters()).device
-    hidden = stream.hidden[anchors].to(device)
-    if not heads.reads_path:
-        return heads(hidden)
-    if embed is None:
-        raise ValueError("path-conditioned heads need the target's input embedding (`embed`) to train or evaluate")
-    return heads(hidden, path_embeddings(embed, stream.ids, anchors, heads.num_heads).to(hidden.dtype))
-
-
 def head_losses(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, anchors: torch.Tensor,
                 kl_weight: float, nll_weight: float, embed=None) -> torch.Tensor:
-    """Per-head mean of ``kl_weight * KL(p || q_k) + nll_weight * CE(x_{t+1+k})`` over valid anchors, ``p`` the
-    target's top-K renormalised within the heads' vocabulary."""
-    device = projection.lm_head.weight.device
-    pos, token, valid = stream.targets(anchors, heads.num_heads)
-    logq = torch.log_softmax(projection(head_states(heads, stream, anchors, embed)).float(), dim=-1)
-    index = projection.index_of(stream.top_ids[pos].to(device))  # [A, H, K]
-    p = stream.top_probs[pos].to(device) * (index >= 0)
-    p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
-    kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, index.clamp(min=0)))).sum(-1)
-    realised = projection.index_of(token.to(device))
-    nll = -logq.gather(-1, realised.clamp(min=0)[..., None]).squeeze(-1) * (realised >= 0)
-    per = (kl_weight * kl + nll_weight * nll) * valid.to(device)
-    return per.sum(0) / valid.sum(0).clamp(min=1).to(device)
+    """Per-head fit loss (:func:`records.head_fit_loss`) of ``anchors`` of ``stream``."""
+    weight = projection.lm_head.weight
+    records = stream.records(anchors, heads.num_heads).to(weight.device, next(heads.parameters()).dtype)
+    return head_fit_loss(heads, projection, records, embed, kl_weight, nll_weight)
 
 
 @torch.no_grad()
@@ -234,7 +222,8 @@ def sequence_hits(heads: SpeculativeHeads, projection: VocabProjection, stream: 
     for i in range(0, len(anchors), chunk):
         a = anchors[i : i + chunk]
         pos, token, valid = stream.targets(a, num_heads)
-        top = projection(head_states(heads, stream, a, embed)).topk(max(ks), dim=-1).indices
+        records = stream.records(a, num_heads).to(projection.lm_head.weight.device, next(heads.parameters()).dtype)
+        top = projection(record_states(heads, records, embed)).topk(max(ks), dim=-1).indices
         match = projection.target_ids(top).cpu() == token[..., None]
         cumulative = stream.top_probs[pos].cumsum(-1)
         seq = sequence[a]

@@ -39,14 +39,17 @@ def policy_fingerprint(model) -> str:
 SHIPPED_HEADS_DIR = Path(__file__).resolve().parents[1] / "experiments" / "data" / "heads"
 
 
-def find_shipped_heads(model, kind: str = "path", root: str | Path | None = None) -> Path | None:
+def find_shipped_heads(model, kind: str = "path", root: str | Path | None = None,
+                       key: str | None = None) -> Path | None:
     """The shipped heads folder of ``kind`` whose ``distill_report.json`` names this very policy (``policy_sha256``
-    equal to :func:`policy_fingerprint`), or ``None``."""
+    equal to :func:`policy_fingerprint`, or ``key`` when already computed) and holds weights, or ``None``. The one
+    lookup of shipped heads: the trainer and the lab's presets both use it."""
     root = Path(root or SHIPPED_HEADS_DIR)
     reports = sorted(root.glob(f"*/{kind}/{REPORT_FILE}")) if root.is_dir() else []
+    reports = [r for r in reports if (r.parent / "model.safetensors").is_file()]
     if not reports:
         return None
-    key = policy_fingerprint(model)
+    key = key or policy_fingerprint(model)
     for report in reports:
         try:
             if json.loads(report.read_text()).get("policy_sha256") == key:

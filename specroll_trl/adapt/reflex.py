@@ -10,7 +10,10 @@ logits processors; ``reflex_hooks(preset, **kwargs)`` builds the lists named in 
 * ``"baseline+lookup"``: both, the memory moving ``z``, then the lookup mixing into the scores.
 
 Both learn from delayed feedback (:class:`PendingProposals`). State lives per (row, head) for one ``generate``
-call. Hooks only change proposals: the verifier still emits exactly what the target samples.
+call. Both work on either head kind: on independent heads they act on all heads at once, on path-conditioned heads
+on each depth's frontier (the lookup's token goes to the frontier node whose path is the lookup's own continuation),
+and feedback judges the proposal made at the accepted path's node. Hooks only change proposals: the verifier still
+emits exactly what the target samples.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch.nn import functional as F
 
-from ..engine.hooks import GenerationContext, StepFeedback, StepHook
+from ..engine.hooks import DraftSlots, GenerationContext, StepFeedback, StepHook
 
 
 class PendingProposals:
@@ -36,16 +39,20 @@ class PendingProposals:
         self.values: dict[str, torch.Tensor] = {}
 
     def push(self, step: StepFeedback, **values: torch.Tensor) -> None:
-        """Queue the proposals of a step that drafted; ``values[name]`` is ``[B, H, ...]`` over ``step.rows``."""
+        """Queue the proposals of a step that drafted (those ``step.proposed`` marks); ``values[name]`` is
+        ``[B, H, ...]`` over ``step.rows``."""
         rows, heads = step.rows, self.index.shape[1]
         free = (self.index[rows] < 0).int().argmax(-1)  # [B, H]
         r = rows[:, None].expand(-1, heads)
         d = torch.arange(heads, device=rows.device).expand(len(rows), -1)
-        self.index[r, d, free] = step.root_index[:, None] + torch.arange(1, heads + 1, device=rows.device)
+        target = step.root_index[:, None] + torch.arange(1, heads + 1, device=rows.device)
+        proposed = step.proposed if step.proposed is not None else torch.ones_like(target, dtype=torch.bool)
+        self.index[r, d, free] = torch.where(proposed, target, self.index[r, d, free])
         for name, value in values.items():
             if name not in self.values:
                 self.values[name] = value.new_zeros((*self.index.shape, *value.shape[2:]))
-            self.values[name][r, d, free] = value
+            keep = proposed.view(*proposed.shape, *[1] * (value.dim() - 2))
+            self.values[name][r, d, free] = torch.where(keep, value, self.values[name][r, d, free])
 
     def pop(self, step: StepFeedback) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index, due)``, both ``[B, H, H]`` over ``step.rows``: the slots' target indices and which of them this
@@ -139,14 +146,14 @@ class HiddenStateReflex(ReflexHook):
         return ((self.rho[rows] - c.rho_min) / (1 - c.rho_min)).clamp(0, 1)
 
     @torch.no_grad()
-    def adjust(self, rows, z):
+    def adjust(self, rows, z, slots: DraftSlots):
         c = self.config
         if c.eta == 0:
             return z
-        g = self.gate(rows)
+        g = self.gate(rows)[:, slots.head]  # [B, F]
         z32 = z.float()
         z_norm = z32.norm(dim=-1, keepdim=True)
-        step = c.eta * g[..., None] * self.memory[rows]
+        step = c.eta * g[..., None] * self.memory[rows][:, slots.head]
         step = step * (c.kappa * z_norm / step.norm(dim=-1, keepdim=True).clamp(min=1e-12)).clamp(max=1.0)
         self._gate_sum += g.sum().double()
         self._norm_sum += (step.norm(dim=-1) / z_norm.squeeze(-1).clamp(min=1e-12)).sum().double()
@@ -252,8 +259,10 @@ class TokenLookup(ReflexHook):
         self.known = torch.zeros(b, device=device, dtype=torch.long)  # history positions filled
         self.rate = torch.full((b, h), self.config.prior, device=device)
         self.queue = PendingProposals(b, h, device)
-        # The tokens offered this step ([B, H], -1: none): set by adjust_logprobs, queued by feedback.
+        # The lookup's chain this step ([B, H], -1: none; set by the step's first adjust_logprobs, queued by
+        # feedback) and whether the heads read their path (then a head's offer goes to the chain's own node only).
         self._offered: torch.Tensor | None = None
+        self._on_path = False
         self._hits = self._tried = self._resolved = 0  # hits / resolved offers / resolved proposals
 
     def offers(self, rows: torch.Tensor) -> torch.Tensor:
@@ -279,11 +288,18 @@ class TokenLookup(ReflexHook):
         return torch.where(ok, hist.gather(1, at.clamp(max=width - 1)), -1)
 
     @torch.no_grad()
-    def adjust_logprobs(self, rows, logp):
-        offer = self.offers(rows)
+    def adjust_logprobs(self, rows, logp, slots: DraftSlots):
+        if self._offered is None:  # once per step: path heads call once per depth
+            chain = self.offers(rows)
+            self._offered = torch.where(self.projection.index_of(chain) >= 0, chain, -1)
+        offer = self._offered[:, slots.head]  # [B, F]
+        self._on_path = slots.path is not None
+        if self._on_path:  # the node's path below the root must be the lookup's chain so far
+            below = slots.path.shape[-1] - 1
+            on_chain = (slots.path[..., 1:] == self._offered[:, None, :below]).all(-1)
+            offer = torch.where(on_chain, offer, -1)
         index = self.projection.index_of(offer)  # where logp holds it (-1: outside the heads' draft vocabulary)
-        self._offered = offer = torch.where(index >= 0, offer, -1)
-        w = (self.rate[rows] * (offer >= 0))[..., None]  # [B, H, 1]
+        w = (self.rate[rows][:, slots.head] * (offer >= 0))[..., None]  # [B, F, 1]
         idx = index.clamp(min=0)[..., None]
         keep = 1 - w
         # log((1 - w) q + w onehot): the looked-up token's score, log(1 - w) added to every other one
@@ -294,7 +310,13 @@ class TokenLookup(ReflexHook):
     def feedback(self, step: StepFeedback) -> None:
         self._record(step)
         if step.z is not None and self._offered is not None:
-            self.queue.push(step, token=self._offered)
+            offered = self._offered
+            if self._on_path:  # head d's offer was made only if the accepted path so far is the chain
+                width = min(offered.shape[1] - 1, step.emitted.shape[1])
+                same = step.emitted[:, :width] == offered[:, :width]
+                on_chain = torch.cat([same.new_ones((len(same), 1)), same.cumprod(1).bool()], 1)
+                offered = torch.where(on_chain[:, : offered.shape[1]], offered[:, : on_chain.shape[1]], -1)
+            self.queue.push(step, token=offered)
         self._offered = None
         index, due = self.queue.pop(step)
         if not self.queue.values:  # nothing was ever queued

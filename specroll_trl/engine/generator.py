@@ -2,8 +2,8 @@
 
 One decoding step, for all rows still generating (``generate`` reads as these stages):
   * draft: the heads propose from the hidden state that produced each row's root token and keep the best ``N_t``
-    nodes per row (``N_t`` shrinks as rows grow): independent heads all at once, hooks may adjust their proposals,
-    ``select_tree``; path-conditioned heads depth by depth over the tree's frontier, ``grow_tree``;
+    nodes per row (``N_t`` shrinks as rows grow): independent heads all at once, ``select_tree``; path-conditioned
+    heads depth by depth over the tree's frontier, ``grow_tree``; hooks may adjust every draft call's proposals;
   * verify: one target forward over root + tree (4D ancestor mask, logical positions); every node's
     distribution goes through ``generate``'s own logits processors and gets one sample;
   * commit: each row follows its tree along those samples (``emit``); accepted KV entries are kept, the rest
@@ -26,9 +26,9 @@ from transformers import DynamicCache, GenerationConfig
 from .budget import FixedBudget, NodeBudget, OnlineBudget
 from .compat import any_rank_active, check_model_supported, should_sync
 from .heads import SpeculativeHeads, VocabProjection, lm_head_of
-from .hooks import GenerationContext, StepFeedback, StepHook
+from .hooks import DraftSlots, GenerationContext, StepFeedback, StepHook
 from .kvcache import RaggedCache
-from .tree import DraftTree, PathTable, grow_tree, select_tree
+from .tree import DraftTree, GrownTree, PathTable, grow_tree, select_tree
 from .verify import Emission, TargetDistribution, UnsupportedProcessorsError, emit, expected_accepted
 
 logger = logging.getLogger(__name__)
@@ -166,10 +166,10 @@ class TimedHooks:
         for hook in self.hooks:
             self._timed(hook, method, *args)
 
-    def chain(self, method: str, rows: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Pass ``value`` through every hook's ``method(rows, value)``, like a logits-processor list."""
+    def chain(self, method: str, rows: torch.Tensor, value: torch.Tensor, slots: DraftSlots) -> torch.Tensor:
+        """Pass ``value`` through every hook's ``method(rows, value, slots)``, like a logits-processor list."""
         for hook in self.hooks:
-            value = self._timed(hook, method, rows, value)
+            value = self._timed(hook, method, rows, value, slots)
         return value
 
 
@@ -197,12 +197,22 @@ class DecodeState:
 
 @dataclass
 class Draft:
-    """One step's proposals: the trees, and what the heads proposed them from (``None`` when nothing was drafted)."""
+    """One step's proposals: the trees, and what the heads proposed them from (``None`` when nothing was drafted):
+    independent heads' ``z [B, H, D]`` and ``candidates [B, H, K]``, or the grown tree of path heads."""
 
     tree: DraftTree
     num_nodes: int
-    z: torch.Tensor | None
-    candidates: torch.Tensor | None
+    z: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+    grown: GrownTree | None = None
+
+    def proposals(self, accepted: torch.Tensor):
+        """``(z, candidates, proposed)`` of ``StepFeedback`` once the accepted paths are known."""
+        if self.grown is not None:
+            return self.grown.along(accepted)
+        if self.z is None:
+            return None, None, None
+        return self.z, self.candidates, torch.ones(self.z.shape[:2], dtype=torch.bool, device=self.z.device)
 
 
 @dataclass
@@ -238,7 +248,8 @@ class SpeculativeGenerator:
         self.lm_head = lm_head_of(model)
         heads.check_compatible(model)
         check_topk_fits(self.config.topk_per_head, heads)
-        self.table = PathTable.build(heads.num_heads, self.config.topk_per_head)
+        # the static path table only serves independent heads; path heads grow their trees depth by depth
+        self.table = None if heads.reads_path else PathTable.build(heads.num_heads, self.config.topk_per_head)
         self.embed = model.get_input_embeddings() if heads.reads_path else None
         self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
                                    else FixedBudget(self.config.capacity, self.config.max_nodes))
@@ -251,18 +262,6 @@ class SpeculativeGenerator:
                 raise
             self.supported_error = str(err)
             logger.warning("speculative engine falls back to model.generate: %s", err)
-
-    def check_hooks(self, hooks: list[StepHook]) -> None:
-        """Raise ``ValueError`` for hooks these heads cannot honour. Path heads propose depth by depth, from a
-        different ``z`` per frontier node: the per-head ``adjust`` / ``adjust_logprobs`` protocol (Reflex) has nothing
-        to act on, so such hooks are refused, not ignored."""
-        if not self.heads.reads_path:
-            return
-        for hook in hooks:
-            for method in ("adjust", "adjust_logprobs"):
-                if getattr(type(hook), method) is not getattr(StepHook, method):
-                    raise ValueError(f"hook {hook.name!r} overrides StepHook.{method}, which path-conditioned heads "
-                                     "(kind='path') do not support: use independent heads with it, or drop the hook")
 
     def _validate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -314,7 +313,6 @@ class SpeculativeGenerator:
                 warnings.warn(f"speculative engine: generation option(s) {err.options} cannot be reproduced per "
                               "tree node; these calls use model.generate", stacklevel=2)
             return self._fallback(input_ids, attention_mask, gen, max_new, start, reason=str(err))
-        self.check_hooks(self.hooks)
         stats = GenerationStats(capacity=self.config.capacity)
         state = self._prefill(input_ids, attention_mask, target, stats)
         hooks = TimedHooks(self.hooks, stats)
@@ -336,7 +334,7 @@ class SpeculativeGenerator:
         device, batch, max_new = input_ids.device, input_ids.shape[0], target.generation_config.max_new_tokens
         eos = torch.tensor(self._eos_ids(target.generation_config), device=device, dtype=torch.long)
         pad_len = (attention_mask != 0).int().argmax(1)
-        if self.table.depth.device != device:
+        if self.table is not None and self.table.depth.device != device:
             self.table = self.table.to(device)
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         cache = DynamicCache(config=self.model.config)
@@ -383,23 +381,29 @@ class SpeculativeGenerator:
         stats.nodes_per_row.append(num_nodes)
         stats.active_rows.append(active)
         if not num_nodes:
-            return Draft(select_tree(state.root, None, None, self.table, 0), 0, None, None)
+            return Draft(select_tree(state.root, None, None, self.table, 0, self.heads.num_heads), 0)
         if self.heads.reads_path:
-            grown = grow_tree(state.root, state.hidden, self._head_step(state.projection), self.embed,
+            grown = grow_tree(state.root, state.hidden, self._head_step(state, hooks), self.embed,
                               self.heads.num_heads, self.config.topk_per_head, num_nodes)
-            return Draft(grown.tree, num_nodes, grown.z, grown.candidates)
-        z = hooks.chain("adjust", state.rows, self.heads(state.hidden))  # [B, H, D]
-        head_logp = hooks.chain("adjust_logprobs", state.rows, torch.log_softmax(state.projection(z).float(), dim=-1))
+            return Draft(grown.tree, num_nodes, grown=grown)
+        slots = DraftSlots.all_heads(self.heads.num_heads, state.rows.device)
+        z = hooks.chain("adjust", state.rows, self.heads(state.hidden), slots)  # [B, H, D]
+        head_logp = hooks.chain("adjust_logprobs", state.rows,
+                                torch.log_softmax(state.projection(z).float(), dim=-1), slots)
         topk_logp, topk_index = head_logp.topk(self.config.topk_per_head, dim=-1)
         topk_ids = state.projection.target_ids(topk_index)
         return Draft(select_tree(state.root, topk_ids, topk_logp, self.table, num_nodes), num_nodes, z, topk_ids)
 
-    def _head_step(self, projection: VocabProjection):
-        """One depth of a path-heads tree: head ``d`` over the frontier's paths -> its states and log-probabilities."""
+    def _head_step(self, state: DecodeState, hooks: TimedHooks):
+        """One depth of a path-heads tree: head ``d`` over the frontier's paths -> its states and log-probabilities,
+        each adjusted by the hooks."""
+        projection = state.projection
 
-        def step(depth: int, hidden: torch.Tensor, path: torch.Tensor):
-            z = self.heads.head_state(depth, hidden, path)
-            return z, torch.log_softmax(projection(z).float(), dim=-1), projection.target_ids
+        def step(depth: int, hidden: torch.Tensor, path: torch.Tensor, path_tokens: torch.Tensor):
+            slots = DraftSlots(torch.full((path.shape[1],), depth - 1, device=hidden.device), path_tokens)
+            z = hooks.chain("adjust", state.rows, self.heads.head_state(depth, hidden, path), slots)
+            logp = hooks.chain("adjust_logprobs", state.rows, torch.log_softmax(projection(z).float(), dim=-1), slots)
+            return z, logp, projection.target_ids
 
         return step
 
@@ -444,9 +448,10 @@ class SpeculativeGenerator:
         state.done_len[rows] += step.count
         state.kv.commit(step.accepted)
         self._count(state, stats, draft, verdict, step)
-        return StepFeedback(rows=rows, root_index=root_index, z=draft.z, candidates=draft.candidates, tree=tree,
+        z, candidates, proposed = draft.proposals(step.accepted) if self.hooks else (None, None, None)
+        return StepFeedback(rows=rows, root_index=root_index, z=z, candidates=candidates, tree=tree,
                             probs=verdict.probs, accepted=step.accepted, emitted=step.tokens, count=step.count,
-                            finished=step.finished, hidden=state.hidden)
+                            finished=step.finished, hidden=state.hidden, proposed=proposed)
 
     def _count(self, state: DecodeState, stats: GenerationStats, draft: Draft, verdict: Verification,
                step: Emission) -> None:

@@ -174,7 +174,7 @@ class SpeculativeHeads(nn.Module):
     def forward(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [..., D]`` -> per-head hidden states ``z [..., H, D]``. Path heads also need ``path [..., H, D]``:
         the input embeddings of ``x_{t+1..t+H}`` (head ``k`` reads the first ``k``), e.g. the realised tokens when
-        training (:func:`path_embeddings`)."""
+        training (``adapt.records.record_states``)."""
         if not self.reads_path:
             return torch.stack([head(hidden) for head in self.heads], dim=-2)
         if path is None:
@@ -269,14 +269,6 @@ class VocabProjection:
                                        device=self.draft_ids.device)
             self._inverse[self.draft_ids] = torch.arange(len(self.draft_ids), device=self.draft_ids.device)
         return torch.where(ids >= 0, self._inverse[ids.clamp(min=0)], -1)
-
-
-def path_embeddings(embed: nn.Module, ids: torch.Tensor, anchors: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``[A, H, D]`` input embeddings of the tokens after each anchor, ``ids[anchor + 1 .. anchor + H]`` (indices
-    clamped to ``ids``; the heads' loss masks what runs past a sequence's end): what path heads read in training."""
-    index = (anchors[:, None] + torch.arange(1, num_heads + 1, device=anchors.device)).clamp(max=len(ids) - 1)
-    weight = embed.weight
-    return embed(ids[index].to(weight.device))
 
 
 def check_heads_folder(directory: str | os.PathLike) -> Path:

@@ -7,6 +7,12 @@ verifier learnt this step); and ``finish`` when the call ends. Hooks run in list
 and the engine times each one (``stats.hook_seconds[hook.name]``). Hooks can only change *proposals*: what is
 emitted stays exactly distributed as the target samples it. Reflex (``specroll_trl.adapt.reflex``) and the slow
 path's ``BufferCapture`` (``specroll_trl.adapt.buffer``) are hooks.
+
+Hooks act where the heads act, on every head kind. ``adjust`` and ``adjust_logprobs`` see one *draft call* at a
+time, described by its ``DraftSlots``: independent heads draft once per step, all ``H`` heads at once (slot ``j`` is
+head ``j``); path-conditioned heads draft once per depth, head ``d`` over that depth's frontier (every slot is head
+``d``, each reading its own path, given as ``slots.path``). ``feedback`` pairs every proposal that stands for the
+committed text with what the verifier sampled there (``StepFeedback.proposed``).
 """
 
 from __future__ import annotations
@@ -53,6 +59,28 @@ class GenerationContext:
 
 
 @dataclass
+class DraftSlots:
+    """What the ``F`` slots of one draft call are (the middle axis of the ``z [B, F, D]`` and ``logp [B, F, V]`` the
+    hooks adjust).
+
+    Attributes:
+        head: ``[F]`` the (0-based) head proposing in each slot; its candidates are for completion index
+            ``root_index + 1 + head``.
+        path: ``[B, F, head + 1]`` for path-conditioned heads: the tokens from the root down to the frontier node each
+            slot's head reads (its candidates are that node's children); ``None`` for independent heads, which read
+            only the hidden state.
+    """
+
+    head: torch.Tensor
+    path: torch.Tensor | None = None
+
+    @classmethod
+    def all_heads(cls, num_heads: int, device=None) -> DraftSlots:
+        """The slots of independent heads: slot ``j`` is head ``j``."""
+        return cls(torch.arange(num_heads, device=device))
+
+
+@dataclass
 class StepFeedback:
     """One verified step, for the rows still generating (``B`` of them).
 
@@ -60,8 +88,13 @@ class StepFeedback:
         rows: ``[B]`` indices of the rows in the caller's batch.
         root_index: ``[B]`` completion index of each row's root token (head ``d`` proposed index
             ``root_index + d``); this step committed indices ``root_index + 1 .. root_index + count``.
-        z: ``[B, H, D]`` the heads' hidden states the proposals were taken from (after ``adjust``).
-        candidates: ``[B, H, K]`` each head's top-k tokens (the tree's candidates at that depth).
+        z: ``[B, H, D]`` per head, the hidden state its proposal was taken from (after ``adjust``): independent heads'
+            own; for path heads, head ``d``'s at the accepted path's node of depth ``d - 1`` (the node whose children
+            it proposed, where the committed token was sampled). ``None`` when the step drafted nothing.
+        candidates: ``[B, H, K]`` the top-k tokens of those proposals (target ids).
+        proposed: ``[B, H]`` which of those proposals stand for the committed text: all for independent heads (head
+            ``d`` proposed for index ``root_index + d`` from ``h_t``, resolved now or by a later step); for path heads
+            those made at a node of the accepted path (head ``d`` ran there), all resolved this step.
         tree: the verified draft trees.
         probs: ``[B, n, V]`` the target's sampling distribution at every tree node.
         accepted: ``[B, D+1]`` node indices of the accepted path (root first, ``-1`` past its end).
@@ -69,8 +102,8 @@ class StepFeedback:
             was sampled from ``probs[accepted[j]]``.
         count: ``[B]`` number of committed tokens.
         finished: ``[B]`` rows that finished this step (they leave the batch after the hooks ran).
-        hidden: ``[B, D]`` the target's final hidden state ``h_t`` the heads read this step (``z`` is
-            ``heads(hidden)`` before ``adjust``); given even when the step drafted nothing.
+        hidden: ``[B, D]`` the target's final hidden state ``h_t`` the heads read this step (independent heads' ``z``
+            is ``heads(hidden)`` before ``adjust``); given even when the step drafted nothing.
     """
 
     rows: torch.Tensor
@@ -84,6 +117,7 @@ class StepFeedback:
     count: torch.Tensor
     finished: torch.Tensor
     hidden: torch.Tensor | None = None
+    proposed: torch.Tensor | None = None
 
 
 class StepHook:
@@ -94,12 +128,12 @@ class StepHook:
     def start(self, context: GenerationContext) -> None:
         """A new ``generate`` call: reset all per-row state for ``context.batch_size`` fresh rows."""
 
-    def adjust(self, rows: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Return the hidden states (``[B, H, D]``) the heads' candidates are taken from."""
+    def adjust(self, rows: torch.Tensor, z: torch.Tensor, slots: DraftSlots) -> torch.Tensor:
+        """Return the hidden states (``[B, F, D]``, one per slot of this draft call) the candidates are taken from."""
         return z
 
-    def adjust_logprobs(self, rows: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-        """Return the scores (``[B, H, V]``, the heads' log-probabilities from ``lm_head(z)``) whose top-k become
+    def adjust_logprobs(self, rows: torch.Tensor, logp: torch.Tensor, slots: DraftSlots) -> torch.Tensor:
+        """Return the scores (``[B, F, V]``, the slots' log-probabilities from ``lm_head(z)``) whose top-k become
         the tree's candidates; the kept values are the candidates' scores (tree selection multiplies them
         along a path, so they must stay <= 0)."""
         return logp

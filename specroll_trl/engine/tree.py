@@ -71,6 +71,7 @@ class DraftTree:
     ancestors: torch.Tensor
     path_tokens: torch.Tensor
     path_scores: torch.Tensor | None = None  # [B, P] log-score of every candidate path (None: nothing drafted)
+    source: torch.Tensor | None = None  # [B, 1+N] candidate index each node was picked from (-1: the root)
 
     @property
     def size(self) -> int:
@@ -78,17 +79,19 @@ class DraftTree:
 
 
 def select_tree(root: torch.Tensor, topk_ids: torch.Tensor | None, topk_logp: torch.Tensor | None,
-                table: PathTable, num_nodes: int) -> DraftTree:
+                table: PathTable | None, num_nodes: int, num_heads: int | None = None) -> DraftTree:
     """Best-first sparse tree per row.
 
     Args:
         root: ``[B]`` root tokens.
         topk_ids / topk_logp: ``[B, H, K]`` each head's top-k tokens and their log-probabilities (unused, and
             may be ``None``, when ``num_nodes`` is 0).
-        table: the static path table for ``(H, K)``.
+        table: the static path table for ``(H, K)`` (may be ``None`` when ``num_nodes`` is 0).
         num_nodes: draft nodes per row besides the root.
+        num_heads: ``H`` (default: the table's depth).
     """
-    batch, num_heads, device = root.shape[0], table.choice.shape[1], root.device
+    batch, device = root.shape[0], root.device
+    num_heads = table.choice.shape[1] if num_heads is None else num_heads
     if num_nodes == 0:
         empty = torch.zeros((batch, 1), dtype=torch.long, device=device)
         return DraftTree(tokens=root[:, None], depth=empty, parent=empty - 1,
@@ -112,12 +115,32 @@ def path_candidates(topk_ids: torch.Tensor, topk_logp: torch.Tensor, table: Path
 
 @dataclass
 class GrownTree:
-    """A tree grown depth by depth (path heads), and along its best chain what each head proposed from: ``z [B, H,
-    D]`` and ``candidates [B, H, K]`` (the best node of depth ``d - 1``'s hidden state and top-k at depth ``d``)."""
+    """A tree grown depth by depth (path heads) and, per depth ``d`` (0-based head ``d``), what that head proposed
+    from at every frontier node of depth ``d``: ``frontier_z[d] [B, f, D]`` (after the hooks' ``adjust``),
+    ``frontier_ids[d] [B, f, K]`` (its top-k) and ``frontier_source[d] [B, f]`` (the candidate index of each frontier
+    node; ``-1``: the root)."""
 
     tree: DraftTree
-    z: torch.Tensor
-    candidates: torch.Tensor
+    frontier_z: list[torch.Tensor]
+    frontier_ids: list[torch.Tensor]
+    frontier_source: list[torch.Tensor]
+
+    def along(self, accepted: torch.Tensor):
+        """The proposals made along each row's accepted path (``accepted [B, >= H]`` node indices, root first, ``-1``
+        past its end): per head ``d``, the ``z`` and candidates of the head run at the path's node of depth ``d``, and
+        whether it ran there (``proposed``; a path node outside the frontier of its depth had no head run on it)."""
+        batch, num_heads = accepted.shape[0], len(self.frontier_z)
+        rows = torch.arange(batch, device=accepted.device)
+        z, candidates, proposed = [], [], []
+        for d in range(num_heads):
+            node = accepted[:, d] if d < accepted.shape[1] else torch.full_like(accepted[:, 0], -1)
+            source = self.tree.source.gather(1, node.clamp(min=0)[:, None])  # [B, 1]
+            match = self.frontier_source[d] == source  # [B, f]
+            slot = match.int().argmax(1)
+            z.append(self.frontier_z[d][rows, slot])
+            candidates.append(self.frontier_ids[d][rows, slot])
+            proposed.append((node >= 0) & match.any(1))
+        return torch.stack(z, 1), torch.stack(candidates, 1), torch.stack(proposed, 1)
 
 
 def grow_tree(root: torch.Tensor, hidden: torch.Tensor, head_step, embed, num_heads: int, topk: int,
@@ -131,23 +154,25 @@ def grow_tree(root: torch.Tensor, hidden: torch.Tensor, head_step, embed, num_he
 
     Args:
         root: ``[B]`` root tokens; hidden: ``[B, D]`` the hidden state that produced them.
-        head_step: ``(depth, hidden [B, f, D], path [B, f, depth, D]) -> (z [B, f, D], logp [B, f, V], ids)``, where
-            ``ids(index)`` maps indices of ``logp``'s last axis to target token ids.
+        head_step: ``(depth, hidden [B, f, D], path [B, f, depth, D], path_tokens [B, f, depth]) -> (z [B, f, D],
+            logp [B, f, V], ids)``, where ``ids(index)`` maps indices of ``logp``'s last axis to target token ids.
         embed: the target's input embedding (token ids -> ``[..., D]``).
     """
     batch, width = root.shape[0], min(topk, num_nodes)
     path = embed(root)[:, None, None]  # [B, f=1, 1, D]
+    path_tokens = root[:, None, None]  # [B, f=1, 1]
     front_score = torch.zeros((batch, 1), device=root.device)
     front_index = torch.full((batch, 1), -1, dtype=torch.long, device=root.device)  # candidate index, -1: root
-    tokens, parents, depths, scores, chain_z, chain_ids = [], [], [], [], [], []
+    tokens, parents, depths, scores, frontier_z, frontier_ids, frontier_source = [], [], [], [], [], [], []
     offset = 0
     for d in range(1, num_heads + 1):
         f = path.shape[1]
-        z, logp, to_ids = head_step(d, hidden[:, None].expand(-1, f, -1), path)
+        z, logp, to_ids = head_step(d, hidden[:, None].expand(-1, f, -1), path, path_tokens)
         top_logp, top_index = logp.topk(topk, dim=-1)  # [B, f, K]
         ids = to_ids(top_index)
-        chain_z.append(z[:, 0])  # the frontier is sorted best first
-        chain_ids.append(ids[:, 0])
+        frontier_z.append(z)
+        frontier_ids.append(ids)
+        frontier_source.append(front_index)
         score = (front_score[..., None] + top_logp - 1e-6).reshape(batch, f * topk)  # strict decrease along a path
         tokens.append(ids.reshape(batch, f * topk))
         parents.append(front_index[..., None].expand(-1, -1, topk).reshape(batch, f * topk))
@@ -156,13 +181,16 @@ def grow_tree(root: torch.Tensor, hidden: torch.Tensor, head_step, embed, num_he
         if d == num_heads:
             break
         keep = score.topk(min(width, f * topk), dim=-1).indices  # [B, f'], best first
-        grown = embed(tokens[-1].gather(1, keep))[:, :, None]
-        path = torch.cat([path.gather(1, (keep // topk)[..., None, None].expand(-1, -1, *path.shape[2:])), grown], 2)
+        grown = tokens[-1].gather(1, keep)
+        parent_slot = keep // topk
+        path = torch.cat([path.gather(1, parent_slot[..., None, None].expand(-1, -1, *path.shape[2:])),
+                          embed(grown)[:, :, None]], 2)
+        path_tokens = torch.cat([path_tokens.gather(1, parent_slot[..., None].expand(-1, -1, d)), grown[..., None]], 2)
         front_score, front_index = score.gather(1, keep), offset + keep
         offset += f * topk
     tree = tree_from_nodes(root, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1),
                            torch.cat(scores, 1), num_nodes, num_heads)
-    return GrownTree(tree, torch.stack(chain_z, 1), torch.stack(chain_ids, 1))
+    return GrownTree(tree, frontier_z, frontier_ids, frontier_source)
 
 
 def tree_from_nodes(root: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
@@ -193,4 +221,4 @@ def tree_from_nodes(root: torch.Tensor, tokens: torch.Tensor, parent: torch.Tens
         path_tokens.scatter_(2, node_depth.gather(1, node)[..., None], node_tokens.gather(1, node)[..., None])
         node = step_up.gather(1, node)
     return DraftTree(tokens=node_tokens, depth=node_depth, parent=parent_node, ancestors=ancestors,
-                     path_tokens=path_tokens, path_scores=score)
+                     path_tokens=path_tokens, path_scores=score, source=torch.cat([zero - 1, picked], 1))

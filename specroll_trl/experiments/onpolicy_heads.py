@@ -26,7 +26,7 @@ from ..adapt.distill import (
     measure_heads,
     save_distilled,
 )
-from ..adapt.distill_cache import policy_fingerprint
+from ..adapt.distill_cache import find_shipped_heads, policy_fingerprint
 from ..adapt.samples import pack_samples, read_samples, sample_to_folder, samples_key
 from ..files import atomic_folder
 from .tasks import arithmetic_examples, chat_prompt, gsm8k_examples
@@ -75,13 +75,8 @@ def sample_plan(model, tokenizer, folder: str | Path, config: HeadDistillConfig,
 
 
 def shipped_folder(preset: str, kind: str = "path") -> Path:
-    """Where the heads of ``kind`` shipped for ``preset`` live (``data/heads/<preset>/<kind>/``)."""
+    """Where the heads of ``kind`` shipped for ``preset`` are written (``data/heads/<preset>/<kind>/``)."""
     return SHIPPED_DIR / preset / kind
-
-
-def _matches(folder: Path, key: str) -> bool:
-    report = folder / REPORT_FILE
-    return report.is_file() and json.loads(report.read_text()).get("policy_sha256") == key
 
 
 def shipped_samples(preset: str, key: str) -> dict | None:
@@ -104,8 +99,8 @@ def install_heads(preset: str, model, tokenizer, out: Path, cache: Path, kind: s
     policy, else distilled by the recipe from the shipped samples (same policy) or from new samples drawn into
     ``cache``."""
     key = policy_fingerprint(model)
-    shipped = shipped_folder(preset, kind)
-    if _matches(shipped, key) and (shipped / "model.safetensors").is_file():
+    shipped = find_shipped_heads(model, kind, SHIPPED_DIR, key=key)
+    if shipped is not None:
         with atomic_folder(out) as tmp:
             tmp.mkdir(parents=True)
             for name in ("config.json", "model.safetensors", REPORT_FILE):
@@ -124,7 +119,7 @@ def distill_preset_heads(model, tokenizer, out: Path, cache: Path, key: str | No
     samples = samples or sample_plan(model, tokenizer, cache, config, progress)
     heads, report = distill_from_samples(model, samples["train"], samples["heldout"], config, progress=progress,
                                          fp16_weights=True)
-    return save_preset_heads(heads, report, samples, model, out, key)
+    return save_preset_heads(heads, report, samples, model, out, key, config)
 
 
 SLICE_SEQUENCES = 8  # held-out sequences whose hit rates the report keeps, for a quick check of shipped heads
@@ -137,12 +132,14 @@ def heldout_slice(heads, model, samples: dict, config: HeadDistillConfig) -> dic
     return {"sequences": len(pairs), **measure_heads(heads, model, stream, config.hit_ks)}
 
 
-def save_preset_heads(heads, report: dict, samples: dict, model, out: Path, key: str | None = None) -> Path:
+def save_preset_heads(heads, report: dict, samples: dict, model, out: Path, key: str | None = None,
+                      config: HeadDistillConfig | None = None) -> Path:
     """Write heads (fp16) and their report, keyed by the policy's fingerprint (``key`` when already computed), with
-    their hit rates on a held-out slice and the size of the samples they were fitted to."""
+    their hit rates on a held-out slice (measured at the temperature and target size of ``config``, the recipe
+    they were fitted with; default: the shipped recipe) and the size of the samples they were fitted to."""
     heads.half().float()  # measured as saved
     report = {**report, "policy_sha256": key or policy_fingerprint(model),
-              "heldout_slice": heldout_slice(heads, model, samples, onpolicy_distill_config()),
+              "heldout_slice": heldout_slice(heads, model, samples, config or onpolicy_distill_config()),
               "samples": {k: len(v) for k, v in samples.items()},
               "sampled_tokens": {k: sum(len(c) for _, c in v) for k, v in samples.items()}}
     with atomic_folder(out) as tmp:

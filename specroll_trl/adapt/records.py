@@ -1,0 +1,64 @@
+"""The one record type heads are fitted on, and the one loss that fits them.
+
+A ``HeadRecords`` batch holds, per anchor ``t``: the target's final hidden state ``h_t``, the path tokens
+``x_{t+1..t+H}`` (head ``k`` of a path-conditioned head set reads the first ``k``), and for every head ``k`` the
+top-K of the target's distribution of ``x_{t+1+k}`` (ids, probabilities), the realised ``x_{t+1+k}`` and whether it
+exists (``valid``). The offline distillation stream (``distill.TokenStream.records``) and the slow path's online
+buffer (``buffer.HeadBuffer.take``) both produce it; ``head_fit_loss`` is the loss both fit it with, on either head
+kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..engine.heads import VocabProjection
+
+
+@dataclass
+class HeadRecords:
+    """``N`` anchors of head-training data (see the module docstring)."""
+
+    hidden: torch.Tensor  # [N, D]
+    path: torch.Tensor  # [N, H] x_{t+1..t+H}
+    target_ids: torch.Tensor  # [N, H, K]
+    target_probs: torch.Tensor  # [N, H, K]
+    tokens: torch.Tensor  # [N, H] x_{t+2..t+H+1}
+    valid: torch.Tensor  # [N, H] bool
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def to(self, device, dtype=None) -> HeadRecords:
+        """On ``device``, the hidden states in ``dtype`` (the heads' dtype)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)}
+        if dtype is not None:
+            moved["hidden"] = moved["hidden"].to(dtype)
+        return HeadRecords(**moved)
+
+
+def record_states(heads, records: HeadRecords, embed=None) -> torch.Tensor:
+    """``z [N, H, D]`` of the heads on the records; path heads read the input embeddings (``embed``: the target's
+    input embedding) of the records' path tokens."""
+    if not getattr(heads, "reads_path", False):
+        return heads(records.hidden)
+    if embed is None:
+        raise ValueError("path-conditioned heads need the target's input embedding (`embed`) to train or evaluate")
+    return heads(records.hidden, embed(records.path.to(embed.weight.device)).to(records.hidden.dtype))
+
+
+def head_fit_loss(heads, projection: VocabProjection, records: HeadRecords, embed=None, kl_weight: float = 1.0,
+                  nll_weight: float = 1.0) -> torch.Tensor:
+    """Per head (``[H]``), the mean over valid anchors of ``kl_weight * KL(p || q) + nll_weight * CE(x_{t+1+k})``:
+    ``p`` the target's top-K renormalised within the heads' vocabulary, ``q`` the head's distribution over it."""
+    logq = torch.log_softmax(projection(record_states(heads, records, embed)).float(), dim=-1)  # [N, H, V]
+    index = projection.index_of(records.target_ids)
+    p = records.target_probs * (index >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+    kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, index.clamp(min=0)))).sum(-1)
+    realised = projection.index_of(records.tokens)
+    nll = -logq.gather(-1, realised.clamp(min=0)[..., None]).squeeze(-1) * (realised >= 0)
+    valid = records.valid.float()
+    return ((kl_weight * kl + nll_weight * nll) * valid).sum(0) / valid.sum(0).clamp(min=1)

@@ -1,0 +1,112 @@
+"""Long GRPO runs of the default policy, one per adaptation arm, resumable (``bench adaptation``).
+
+Every arm trains the same policy on the same GSM8K-train prompts with the same seed, TRL settings and heads; only
+the adaptation differs (``ARMS``). Tau is measured on a fixed tree (``max_nodes`` nodes per row every round, so
+the heads are exercised whatever the online budget would choose); TRL logs the KL to the starting policy with
+``beta > 0``. Each arm checkpoints every ``save_steps`` steps into its own folder and resumes from the latest
+checkpoint when rerun, and appends one JSON line per logged step to ``steps.jsonl`` there (resumed steps are not
+duplicated), so a killed run loses at most ``save_steps`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+ARMS = {
+    "static": {},
+    "reflex": {"spec_reflex": "lookup"},
+    "slow": {"spec_consolidation": True},
+    "both": {"spec_reflex": "lookup", "spec_consolidation": True},
+}
+
+LOGGED = ("reward", "kl", "spec/tau", "spec/generation_seconds", "spec/tree_nodes_per_row", "spec/consolidations",
+          "spec/consolidation_seconds", "spec/consolidation_rejected", "spec/consolidation_gain",
+          "spec/reflex/seconds", "spec/capture/seconds", "completions/mean_length", "step_seconds")
+
+
+class StepLog(TrainerCallback):
+    """Appends each logged step's metrics (``LOGGED``, and per-head acceptance) to a JSONL file, once per step,
+    with the wall seconds of the step (re-fits in ``on_step_end`` included)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.done = {json.loads(line)["step"] for line in path.read_text().splitlines()} if path.is_file() else set()
+        self._start = self._seconds = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        step = state.global_step
+        if not logs or "reward" not in logs or step in self.done:
+            return
+        record = {"step": step, **{k: logs[k] for k in logs if k in LOGGED or k.startswith("spec/accept_head_")}}
+        record["step_seconds"] = time.perf_counter() - self._start if self._start else None
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.done.add(step)
+
+
+def run_arm(arm: str, out: str | Path, model_name: str = "smollm2-135m", steps: int = 40, temperature: float = 1.0,
+            num_generations: int = 8, max_completion_length: int = 128, learning_rate: float = 1e-5,
+            beta: float = 0.02, max_nodes: int = 4, save_steps: int = 5, heads_path: str | None = None,
+            model_path: str | None = None, overrides: dict | None = None, progress: bool = True) -> list[dict]:
+    """Train one arm (resuming from its latest checkpoint) and return its per-step records."""
+    from ..trainer import SpecGRPOConfig, SpecGRPOTrainer
+    from .rewards import REWARD_FUNCS
+    from .zoo import preset_dataset, resolve_policy
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {sorted(ARMS)}")
+    folder = Path(out) / f"{arm}_t{temperature:g}"
+    folder.mkdir(parents=True, exist_ok=True)
+    args = SpecGRPOConfig(
+        output_dir=str(folder), max_steps=steps, num_generations=num_generations,
+        per_device_train_batch_size=num_generations, max_completion_length=max_completion_length,
+        learning_rate=learning_rate, beta=beta, temperature=temperature, logging_steps=1, report_to="none",
+        bf16=False, save_strategy="steps", save_steps=save_steps, save_total_limit=1, seed=0,
+        disable_tqdm=not progress, spec_heads_path=heads_path, spec_capacity=1_000_000, spec_max_nodes=max_nodes,
+        **{**ARMS[arm], **(overrides or {})},
+    )
+    model = model_path or str(resolve_policy(model_name, progress=progress))
+    trainer = SpecGRPOTrainer(model=model, reward_funcs=REWARD_FUNCS, args=args,
+                              train_dataset=preset_dataset(model_name, steps))
+    log = folder / "steps.jsonl"
+    trainer.add_callback(StepLog(log))
+    resume = any(folder.glob("checkpoint-*"))
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return read_steps(log)
+
+
+def read_steps(path: str | Path) -> list[dict]:
+    """The per-step records of one arm, by step."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
+
+
+def block_means(records: list[dict], key: str, block: int = 5) -> list[float]:
+    """Means of ``key`` over consecutive blocks of ``block`` steps."""
+    values = [r[key] for r in records if key in r]
+    return [statistics.mean(values[i : i + block]) for i in range(0, len(values), block)]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("arms", nargs="+", choices=sorted(ARMS))
+    parser.add_argument("--out", default="runs/adaptation")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--heads", default=None, help="heads folder (default: the trainer's choice)")
+    parser.add_argument("--model-path", default=None, help="policy folder (default: the smollm2-135m preset)")
+    cli = parser.parse_args()
+    for name in cli.arms:
+        records = run_arm(name, cli.out, steps=cli.steps, temperature=cli.temperature, heads_path=cli.heads,
+                          model_path=cli.model_path)
+        print(name, "tau by 5 steps", [round(v, 3) for v in block_means(records, "spec/tau")], flush=True)

@@ -284,3 +284,18 @@ def test_group_lookup_reads_sibling_rows_with_the_same_prompt_only():
     solo.history.copy_(reflex.history)
     solo.known.copy_(reflex.known)
     assert solo.offers(torch.tensor([0])).tolist() == [[-1, -1]]
+
+
+def test_lookup_on_path_heads_with_shallow_trees():
+    """A tree of width 4 and depth 1 commits at most 2 tokens a step, fewer than the 4 heads: the lookup's feedback
+    must still line its offers up with the heads (a regression: it once mis-shaped them)."""
+    model = make_model(vocab=40, scale=0.5, seed=3)  # flat next-token distributions: every node sits at depth 1
+    heads = noisy_heads(model, num_heads=4, std=0.0, kind="path")
+    ids, mask = left_padded([[5, 6, 7, 8], [3, 4]])
+    gc = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=1, pad_token_id=0)
+    engine = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=4, topk_per_head=4,
+                                  hooks=reflex_hooks("lookup"))
+    out = engine.generate(ids, mask)
+    ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)[:, ids.shape[1]:].tolist()
+    assert out.completion_ids == [r[: next((i + 1 for i, t in enumerate(r) if t == 1), len(r))] for r in ref]
+    assert out.stats["reflex_feedback"] > 0

@@ -479,23 +479,32 @@ def test_heads_shipped_for_this_exact_policy_are_used_instead_of_distilling(nano
     (shipped / "distill_report.json").write_text(json.dumps(report))
     monkeypatch.setattr(distill_cache, "SHIPPED_HEADS_DIR", tmp_path / "shipped")
     monkeypatch.setattr(distill_cache, "default_cache_dir", lambda: tmp_path / "home" / "heads")
-    trainer = new_trainer(distill_args(tmp_path, max_steps=1, spec_reflex="lookup"), dataset)
+    trainer = new_trainer(distill_args(tmp_path, max_steps=1, spec_heads_kind="independent"), dataset)
     assert trainer.spec_distill_report is None  # nothing was distilled
     assert all(torch.equal(v, trainer.spec_heads.state_dict()[k]) for k, v in heads.state_dict().items())
-    # shipped independent heads only: a run without Reflex wants path heads, and distils them
-    other = new_trainer(distill_args(tmp_path / "2", max_steps=1), dataset)
+    # shipped independent heads only: an "auto" run wants path heads, and distils them (Reflex on changes nothing)
+    other = new_trainer(distill_args(tmp_path / "2", max_steps=1, spec_reflex="lookup"), dataset)
     assert other.spec_distill_report is not None and other.spec_heads.config.kind == "path"
-    # another policy's key: a run with Reflex distils its own (independent) heads
+    # another policy's key: the run distils its own heads of the kind it asks for
     (shipped / "distill_report.json").write_text(json.dumps({"policy_sha256": "0" * 64}))
-    with_reflex = new_trainer(distill_args(tmp_path / "3", max_steps=1, spec_reflex="lookup"), dataset)
-    assert with_reflex.spec_distill_report is not None and with_reflex.spec_heads.config.kind == "independent"
+    own = new_trainer(distill_args(tmp_path / "3", max_steps=1, spec_heads_kind="independent"), dataset)
+    assert own.spec_distill_report is not None and own.spec_heads.config.kind == "independent"
 
 
-def test_reflex_with_path_heads_is_refused_at_init(nano, tmp_path, dataset):
+def test_spec_heads_kind_is_validated_and_resolved_once(nano, tmp_path, dataset):
     model = nano[0]
-    heads = SpeculativeHeads.from_model(model, num_heads=2, kind="path")
-    with pytest.raises(ValueError, match="spec_reflex='lookup' adjusts independent heads only"):
-        new_trainer(small_args(tmp_path, spec_reflex="lookup"), dataset, heads=heads)
+    with pytest.raises(ValueError, match="spec_heads_kind must be one of"):
+        small_args(tmp_path, spec_heads_kind="medusa")
+    path_heads = SpeculativeHeads.from_model(model, num_heads=2, kind="path")
+    with pytest.raises(ValueError, match="spec_heads_kind='independent' but the heads given are 'path'"):
+        new_trainer(small_args(tmp_path, spec_heads_kind="independent"), dataset, heads=path_heads)
+    # "auto" keeps the given heads' kind, and Reflex and the slow path run on path heads
+    trainer = new_trainer(small_args(tmp_path, spec_reflex="lookup", spec_consolidation=True), dataset,
+                          heads=path_heads)
+    assert trainer.spec_heads_kind == "path" and trainer.spec_consolidation.embed is not None
+    zeros = new_trainer(small_args(tmp_path, spec_heads_path=None, spec_init_heads="zeros", spec_heads_kind="path"),
+                        dataset)
+    assert zeros.spec_heads.config.kind == "path" and zeros.spec_heads_kind == "path"
 
 
 class FlippedProposals(StepHook):
@@ -509,7 +518,7 @@ class FlippedProposals(StepHook):
     def start(self, context):
         self.starts += 1
 
-    def adjust_logprobs(self, rows, logp):
+    def adjust_logprobs(self, rows, logp, slots):
         return torch.log_softmax(logp.flip(-1), dim=-1)
 
     def feedback(self, step):

@@ -23,7 +23,8 @@ from .records import HeadRecords
 
 class HeadBuffer:
     """A bounded ring of detached ``HeadRecords``; the oldest are overwritten first. ``data`` holds every slot
-    (the first ``len(self)`` are filled); ``added`` counts every record ever added."""
+    (the first ``len(self)`` are filled); ``added`` counts every record ever added; ``round[slot]`` numbers the
+    ``add`` call (one per ``generate`` call: a generation round) each record came in with."""
 
     def __init__(self, capacity: int, num_heads: int, hidden_size: int, topk: int):
         if capacity < 1 or topk < 1:
@@ -35,8 +36,9 @@ class HeadBuffer:
             target_probs=torch.zeros((capacity, num_heads, topk)),
             tokens=torch.zeros((capacity, num_heads), dtype=torch.long),
             valid=torch.zeros((capacity, num_heads), dtype=torch.bool))
+        self.round = torch.zeros(capacity, dtype=torch.long)
         self.size = self.cursor = 0
-        self.added = 0
+        self.added = self.rounds = 0
 
     def __len__(self) -> int:
         return self.size
@@ -52,9 +54,15 @@ class HeadBuffer:
         for f in fields(records):
             store = getattr(self.data, f.name)
             store[slots] = getattr(records, f.name).detach().to(store.dtype).cpu()
+        self.round[slots] = self.rounds
+        self.rounds += 1
         self.cursor = int((self.cursor + n) % self.capacity)
         self.size = min(self.capacity, self.size + n)
         self.added += n
+
+    def newest_first(self) -> torch.Tensor:
+        """The filled slots, newest record first."""
+        return (self.cursor - 1 - torch.arange(self.size)) % self.capacity
 
     def sample(self, n: int, generator: torch.Generator | None = None, among: torch.Tensor | None = None):
         """``n`` records drawn uniformly with replacement (from the slots ``among``, default all)."""

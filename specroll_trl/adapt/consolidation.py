@@ -61,17 +61,17 @@ class ConsolidationConfig:
     cooldown: int = field(default=3, metadata={"help": "rounds ignored after a consolidation."})
     window: int = field(default=4, metadata={"help": "rounds averaged into each monitored value (block mean)."})
     buffer_size: int = field(
-        default=4096,
-        metadata={"help": "records kept in the ring buffer (newest first: about 4 rounds of 8 rows x 128 tokens, so "
-                          "records from before a shift age out quickly)."})
+        default=8192,
+        metadata={"help": "records kept in the ring buffer (newest first: about 9 rounds of 8 rows x 128 tokens, so "
+                          "records from before a shift age out within a few re-fits)."})
     buffer_topk: int = field(default=8, metadata={"help": "target probabilities kept per record and head."})
     min_buffer: int = field(default=2048, metadata={"help": "do not consolidate on fewer records than this."})
-    steps: int = field(default=60, metadata={"help": "optimiser steps per consolidation."})
+    steps: int = field(default=40, metadata={"help": "optimiser steps per consolidation."})
     max_seconds: float = field(default=30.0, metadata={"help": "wall-clock bound per consolidation."})
     batch_size: int = field(default=256, metadata={"help": "records per optimiser step."})
-    lr: float = field(default=3e-3, metadata={"help": "Adam learning rate."})
+    lr: float = field(default=1e-3, metadata={"help": "Adam learning rate."})
     lambda_nll: float = field(default=0.5, metadata={"help": "weight of cross-entropy on the realised token."})
-    mu: float = field(default=0.01, metadata={"help": "weight of the proximal term ``||theta - theta_anchor||^2``."})
+    mu: float = field(default=1.0, metadata={"help": "weight of the proximal term ``||theta - theta_anchor||^2``."})
     vocab_refresh: float = field(
         default=0.1,
         metadata={"help": "with a draft vocabulary: at most this share of it is swapped, per consolidation, for tokens "
@@ -80,12 +80,14 @@ class ConsolidationConfig:
     )
     holdout_fraction: float = field(
         default=0.1,
-        metadata={"help": "share of the buffer kept out of the re-fit; the new heads are kept only if their loss on it "
-                          "improved (otherwise the previous heads are restored: a re-fit that only memorised recent "
-                          "records is rejected). 0 disables the check."},
+        metadata={"help": "share of the buffer kept out of the re-fit: the newest whole generation rounds covering it "
+                          "(rollouts of prompts the fit never saw; the newest records when one round is over half "
+                          "the buffer). The new heads are kept only if their loss on it improved (otherwise the "
+                          "previous heads are restored: a re-fit that only memorised its records is rejected). 0 "
+                          "disables the check."},
     )
     learn_min_new: int = field(
-        default=2048,
+        default=8192,
         metadata={"help": "records added since the last re-fit before a learning re-fit (the trigger that fires "
                           "while re-fits still pay, independent of drift and of drafting)."})
     learn_min_gain: float | None = field(
@@ -199,6 +201,20 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
     return report
 
 
+def heldout_split(buffer: HeadBuffer, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(held, train)`` slots: the newest whole generation rounds covering ``fraction`` of the buffer (rollouts of
+    prompts the fit never saw: records of the same sequence are strongly correlated, so a random split would reward
+    memorising them), or the newest ``fraction`` of the records when those rounds are over half the buffer."""
+    order = buffer.newest_first()
+    want = int(len(order) * fraction)
+    if want == 0:
+        return order[:0], order
+    rounds = buffer.round[order]
+    cut = int((rounds >= rounds[want - 1]).sum())
+    cut = want if cut > len(order) // 2 else cut
+    return order[:cut], order[cut:]
+
+
 class _Refit:
     """One consolidation's data and optimisation: the buffer split into train / held-out records, the proximal
     anchor, and the fitting loop."""
@@ -211,9 +227,7 @@ class _Refit:
                             if len(buffer) < config.min_buffer else "")
         self.weight = lm_head.weight
         self.generator = torch.Generator().manual_seed(config.seed)
-        order = torch.randperm(len(buffer), generator=self.generator)
-        cut = int(len(buffer) * config.holdout_fraction)
-        self.held, self.train = order[:cut], order[cut:]
+        self.held, self.train = heldout_split(buffer, config.holdout_fraction)
         self.anchor = [p.detach().clone() for p in self.params]
         self.lm_head = lm_head
 

@@ -312,10 +312,11 @@ class TokenLookup(ReflexHook):
         if step.z is not None and self._offered is not None:
             offered = self._offered
             if self._on_path:  # head d's offer was made only if the accepted path so far is the chain
-                width = min(offered.shape[1] - 1, step.emitted.shape[1])
-                same = step.emitted[:, :width] == offered[:, :width]
-                on_chain = torch.cat([same.new_ones((len(same), 1)), same.cumprod(1).bool()], 1)
-                offered = torch.where(on_chain[:, : offered.shape[1]], offered[:, : on_chain.shape[1]], -1)
+                heads, width = offered.shape[1], min(offered.shape[1] - 1, step.emitted.shape[1])
+                same = (step.emitted[:, :width] == offered[:, :width]).cumprod(1).bool()
+                on_chain = torch.cat([same.new_ones((len(same), 1)), same,
+                                      same.new_zeros((len(same), heads - 1 - width))], 1)
+                offered = torch.where(on_chain, offered, -1)
             self.queue.push(step, token=offered)
         self._offered = None
         index, due = self.queue.pop(step)

@@ -150,7 +150,7 @@ def bench_ablation(model_name: str = DEFAULT_PRESET, steps: int = 30, num_genera
     if shift and not 0 < shift_at < steps:
         raise ValueError(f"shift_at must be in [1, steps - 1] = [1, {steps - 1}], got {shift_at}")
     model_path = str(resolve_policy(model_name, progress=progress))
-    heads_path = preset_heads(model_name, progress=progress, kind="independent")  # Reflex and the slow path need it
+    heads_path = preset_heads(model_name, progress=progress)
     dataset = preset_dataset(model_name, steps * prompts_per_step, task=task)
     moved = moved_policy(model_name, shift, progress=progress)[0] if shift else None
     records = []

@@ -275,7 +275,7 @@ def bench_reflex(model_name: str = DEFAULT_PRESET, grpo_steps: int = 8, batch_si
     # trains (needs gradients); the rest only generates
     drifted = (moved_policy(model_name, "sft-capitals")[0] if model_name in PRETRAINED
                else drifted_policy(model_name, grpo_steps))
-    load_heads(model_name, progress=progress, kind="independent")  # distilled on a first run: needs gradients
+    load_heads(model_name, progress=progress)  # distilled on a first run: needs gradients
     with torch.no_grad():
         return _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max_new_tokens, max_nodes,
                                   capacity, progress, variants, group)
@@ -289,7 +289,7 @@ def _bench_reflex_runs(model_name, drifted, grpo_steps, batch_size, repeats, max
     from .shift import perturbed_policy
 
     base, tokenizer = load_policy(model_name, progress=progress)
-    heads = load_heads(model_name, progress=progress, kind="independent")  # Reflex adjusts independent heads
+    heads = load_heads(model_name, progress=progress)
     moved = "sft-capitals" if model_name in PRETRAINED else f"grpo{grpo_steps}"
     targets = {
         moved: AutoModelForCausalLM.from_pretrained(drifted).eval(),

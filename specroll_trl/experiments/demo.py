@@ -23,8 +23,7 @@ RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOT
 
 
 DEMO_DEFAULTS = {  # per policy kind: a run that shows the comparison within the main job's time budget
-    "pretrained": dict(steps=3, repeats=1, max_completion_length=128, capacity=None,
-                       trainers=("vanilla", "spec_static")),
+    "pretrained": dict(steps=3, repeats=1, max_completion_length=128, capacity=None, trainers=tuple(RUNS)),
     "toy": dict(steps=8, repeats=2, max_completion_length=256, capacity=40, trainers=tuple(RUNS)),
 }
 
@@ -35,20 +34,6 @@ def demo_defaults(model: str) -> dict:
     """The demo's run for ``model``, sampling at the temperature its heads were distilled at."""
     return {**DEMO_DEFAULTS["pretrained" if model in zoo.PRETRAINED else "toy"],
             "temperature": zoo.preset_temperature(model)}
-
-
-def independent_heads(model: str, heads_path: str, progress: bool) -> str:
-    """Reflex and the slow path need independent heads: ``heads_path`` when they are, else the preset's."""
-    from ..engine.heads import SpeculativeHeadsConfig
-    from . import zoo
-
-    config = json.loads((Path(heads_path) / "config.json").read_text())
-    if config.get("kind", SpeculativeHeadsConfig.kind) == "independent":
-        return heads_path
-    folder = zoo.preset_heads(model, progress=progress, kind="independent")
-    if folder is None:
-        raise ValueError("the 'spec' run (Reflex + slow path) needs independent heads; these are path-conditioned")
-    return folder
 
 
 def run_demo(model: str = "smollm2-135m", heads_path: str | None = None, task: str | None = None, steps: int = 3,
@@ -70,15 +55,13 @@ def run_demo(model: str = "smollm2-135m", heads_path: str | None = None, task: s
         raise ValueError(f"trainers must include 'vanilla' and at least one of {sorted(set(RUNS) - {'vanilla'})}, "
                          f"got {list(trainers)}")
     runs: dict[str, list[dict]] = {name: [] for name in RUNS if name in trainers}
+    names = list(runs)
     for r in range(repeats):
-        for name in runs:
+        for name in names[r % len(names):] + names[: r % len(names)]:  # each trainer goes first in turn
             label, overrides = RUNS[name]
             if progress:
                 print(f"      run {r + 1}/{repeats}: {label}", flush=True)
-            heads = heads_path
-            if overrides and (overrides.get("spec_reflex") or overrides.get("spec_consolidation")):
-                heads = independent_heads(model, heads_path, progress)
-            record = grpo_run("vanilla" if overrides is None else name, model_path, heads, dataset,
+            record = grpo_run("vanilla" if overrides is None else name, model_path, heads_path, dataset,
                               overrides or {}, steps, prompts_per_step=prompts_per_step,
                               max_completion_length=max_completion_length,
                               learning_rate=learning_rate, capacity=capacity, temperature=temperature,

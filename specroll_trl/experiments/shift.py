@@ -152,7 +152,7 @@ def measure_shift(model_name: str, moved_path: str, num_prompts: int = 8, max_ne
     captured while the moved policy answers ``refit_prompts`` other prompts, and the refitted heads' tau."""
     from .zoo import load_heads
 
-    heads = load_heads(model_name, progress=progress, kind="independent")  # re-fitted: the slow path's kind
+    heads = load_heads(model_name, progress=progress)  # the preset's default kind (path heads for a pretrained one)
     with torch.no_grad():
         return _measure_shift(model_name, moved_path, heads, num_prompts, max_new_tokens, refit_prompts, progress)
 
@@ -191,7 +191,8 @@ def _measure_shift(model_name, moved_path, heads, num_prompts, max_new_tokens, r
         run(moved, heads, seed=5151, n=refit_prompts, buffer=buffer)
         refitted = copy.deepcopy(heads)
         report = consolidate_heads(refitted, moved.get_output_embeddings(), buffer,
-                                   dataclasses.replace(config, min_buffer=min(config.min_buffer, len(buffer))))
+                                   dataclasses.replace(config, min_buffer=min(config.min_buffer, len(buffer))),
+                                   embed=moved.get_input_embeddings())
         record.update({"refit_tuples": len(buffer), "refit_seconds": report.seconds, "refit_steps": report.steps,
                        "refit_ok": report.ok,
                        "refit_vocab_swapped": report.vocab_swapped, "refit_heldout_before": report.heldout_before,

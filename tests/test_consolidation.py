@@ -422,3 +422,96 @@ def test_every_consolidation_field_is_reachable_from_the_trainer_config(tmp_path
     with pytest.raises(ValueError, match="lr must be > 0"):
         SpecGRPOConfig(output_dir=str(tmp_path), bf16=False, spec_consolidation=True,
                        spec_consolidation_kwargs='{"lr": 0}')  # a JSON string, as from the command line
+
+
+# --------------------------------------------------------------------------- path heads and learning re-fits
+
+
+def captured_path_buffer(model, heads, n_rounds=6, topk=8):
+    """Records the capture hook takes from greedy rounds of a teacher set of path heads' policy."""
+    buffer = HeadBuffer(4096, heads.num_heads, model.config.hidden_size, topk)
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=24, eos_token_id=1, pad_token_id=0)
+    for r in range(n_rounds):
+        ids, mask = left_padded([[5 + r, 6, 7], [9, 3 + r], [4, 4, 8 + r], [11 + r]])
+        engine = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=4, hooks=[BufferCapture(buffer)])
+        torch.manual_seed(r)
+        engine.generate(ids, mask)
+    return buffer
+
+
+def test_path_heads_refit_on_captured_records_reading_their_path():
+    model = make_model(vocab=48, scale=4.0, seed=2)
+    heads = noisy_heads(model, num_heads=3, std=0.05, kind="path")
+    buffer = captured_path_buffer(model, heads)
+    assert buffer.rounds == 6 and len(buffer) > 300
+    with pytest.raises(ValueError, match="input embedding"):
+        consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(min_buffer=1))
+    before = copy.deepcopy(heads.state_dict())
+    report = consolidate_heads(heads, model.lm_head, buffer, ConsolidationConfig(min_buffer=1, steps=100, lr=1e-3,
+                                                                                 mu=0.0),
+                               embed=model.get_input_embeddings())
+    assert report.ok and report.heldout_after < report.heldout_before and report.gain > 0
+    assert any(not torch.equal(before[k], v) for k, v in heads.state_dict().items())
+    # the loss reads the path: the same records with other path tokens score differently
+    from specroll_trl.adapt.records import head_fit_loss
+
+    records = buffer.take(torch.arange(len(buffer)))
+    path = records.path.clone()
+    path[:, 1:] = path[torch.randperm(len(records)), 1:]  # other tokens below the root
+    shuffled = dataclasses.replace(records, path=path)
+    projection = heads.projection(model.lm_head)
+    with torch.no_grad():
+        own = head_fit_loss(heads, projection, records, model.get_input_embeddings())
+        other = head_fit_loss(heads, projection, shuffled, model.get_input_embeddings())
+    assert own[0] == pytest.approx(float(other[0]), rel=1e-5)  # head 1 reads only the root, kept
+    assert (own[1:] < other[1:]).all()
+
+
+def test_heldout_split_keeps_whole_newest_rounds():
+    from specroll_trl.adapt.consolidation import heldout_split
+
+    buffer = HeadBuffer(100, 2, 3, 2)
+    for n in (40, 30, 20):  # three rounds
+        buffer.add(records(torch.zeros((n, 3)), torch.zeros((n, 2, 2), dtype=torch.long), torch.ones((n, 2, 2)),
+                           torch.zeros((n, 2), dtype=torch.long), torch.ones((n, 2), dtype=torch.bool)))
+    held, train = heldout_split(buffer, 0.1)
+    assert sorted(held.tolist()) == list(range(70, 90)) and len(train) == 70  # the newest round, whole
+    two = HeadBuffer(100, 2, 3, 2)
+    for n in (60, 10, 10):
+        two.add(records(torch.zeros((n, 3)), torch.zeros((n, 2, 2), dtype=torch.long), torch.ones((n, 2, 2)),
+                        torch.zeros((n, 2), dtype=torch.long), torch.ones((n, 2), dtype=torch.bool)))
+    held, _ = heldout_split(two, 0.15)
+    assert sorted(held.tolist()) == list(range(60, 80))  # 12 records reach into the second-newest round: both whole
+    single = HeadBuffer(100, 2, 3, 2)
+    single.add(records(torch.zeros((50, 3)), torch.zeros((50, 2, 2), dtype=torch.long), torch.ones((50, 2, 2)),
+                       torch.zeros((50, 2), dtype=torch.long), torch.ones((50, 2), dtype=torch.bool)))
+    held, _ = heldout_split(single, 0.1)
+    assert sorted(held.tolist()) == list(range(45, 50))  # one round: the newest records
+
+
+def test_learning_refits_fire_on_new_records_without_drafting_and_stop_when_they_stop_paying():
+    model = make_model(vocab=48, scale=4.0, seed=2)
+    heads = noisy_heads(model, num_heads=3, std=0.05, kind="path")
+    callback = ConsolidationCallback(heads, model.lm_head, ConsolidationConfig(
+        min_buffer=50, learn_min_new=50, learn_min_gain=0.01, steps=30, lr=1e-2, mu=0.0),
+        embed=model.get_input_embeddings())
+    for r in range(3):  # the rounds drafted nothing (no drift signal at all), yet records arrive
+        ids, mask = left_padded([[5 + r, 6, 7], [9, 3 + r], [4, 4, 8 + r], [11 + r]])
+        gc = GenerationConfig(do_sample=True, max_new_tokens=24, eos_token_id=1, pad_token_id=0)
+        SpeculativeGenerator(model, heads, gc, capacity=1, max_nodes=0, hooks=[callback.capture]).generate(ids, mask)
+    assert all(accept is None for accept, _ in callback.capture.rounds)
+    assert callback.learning_due()
+    callback.on_step_end(None, None, None)
+    assert callback.learning == 1 and callback.last_gain is not None
+    assert not callback.learning_due()  # no new records since
+    callback.last_gain = 0.001  # a re-fit that no longer pays: new records alone do not fire again
+    callback.added_at_refit = -10**6
+    assert not callback.learning_due()
+    callback.last_gain = 0.5
+    assert callback.learning_due()
+    off = ConsolidationCallback(heads, model.lm_head, ConsolidationConfig(min_buffer=1, learn_min_gain=None),
+                                embed=model.get_input_embeddings())
+    off.buffer = callback.buffer
+    assert not off.learning_due()
+    with pytest.raises(ValueError, match="learn_min_gain"):
+        ConsolidationConfig(learn_min_gain=1.5)

@@ -685,3 +685,17 @@ def test_hooks_adjust_path_heads_depth_by_depth_and_get_the_accepted_paths_propo
         reached = (step.accepted[:, : heads.num_heads] >= 0)
         assert not (step.proposed & ~reached).any() and step.proposed[:, 0].all()
         assert step.z.shape[:2] == step.candidates.shape[:2] == step.proposed.shape
+
+
+def test_path_heads_need_no_static_path_table_and_refuse_extra_layers():
+    """Path heads grow their trees depth by depth: a top-k whose independent-heads path table would be too large
+    (4 heads x top-8: 4,680 paths) is fine for them; ``num_layers`` is an independent-heads option."""
+    model = make_model()
+    with pytest.raises(ValueError, match="lower spec top-k"):
+        SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 4), topk_per_head=8)
+    gc = GenerationConfig(max_new_tokens=6, eos_token_id=1, pad_token_id=0)
+    engine = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 4, kind="path"), gc, topk_per_head=8,
+                                  capacity=10**6, max_nodes=8)
+    assert engine.table is None and len(engine.generate(torch.tensor([[2, 3]])).completion_ids[0]) >= 1
+    with pytest.raises(ValueError, match="num_layers=2: path-conditioned heads"):
+        SpeculativeHeads.from_model(model, 2, num_layers=2, kind="path")

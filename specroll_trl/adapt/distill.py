@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..engine.generator import eos_ids
 from ..engine.heads import HEAD_KINDS, SpeculativeHeads, VocabProjection, lm_head_of
 from .records import HeadRecords, head_fit_loss, record_states
+from .samples import left_pad
 
 REPORT_FILE = "distill_report.json"
 
@@ -125,8 +127,7 @@ class TokenStream:
 def sample_sequences(model, prompt_ids: list[list[int]], config: HeadDistillConfig, pad_token_id: int,
                      progress: bool = True) -> list[tuple[list[int], list[int]]]:
     """``(prompt, completion)`` id pairs sampled from the policy at ``config.temperature``."""
-    gen = model.generation_config
-    eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    eos = eos_ids(model.generation_config)
     out: list[tuple[list[int], list[int]]] = []
     torch.manual_seed(config.seed)
     device = next(model.parameters()).device
@@ -135,9 +136,8 @@ def sample_sequences(model, prompt_ids: list[list[int]], config: HeadDistillConf
         if config.sampling_max_seconds is not None and out and time.time() - start > config.sampling_max_seconds:
             break
         chunk = prompt_ids[i : i + config.sample_batch_size]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in chunk], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        ids, mask = (t.to(device) for t in left_pad(chunk, pad_token_id))
+        width = ids.shape[1]
         seqs = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=config.temperature, top_k=0,
             top_p=1.0, max_new_tokens=config.max_new_tokens, pad_token_id=pad_token_id,
@@ -378,9 +378,7 @@ def new_heads(model, stream: TokenStream, config: HeadDistillConfig) -> Speculat
     ``config.draft_vocab_size`` most frequent tokens (and the eos ids) when that is smaller than the vocabulary."""
     draft_ids = None
     if config.draft_vocab_size and config.draft_vocab_size < lm_head_of(model).weight.shape[0]:
-        eos = model.generation_config.eos_token_id
-        always = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
-        draft_ids = draft_vocabulary(stream, config.draft_vocab_size, always)
+        draft_ids = draft_vocabulary(stream, config.draft_vocab_size, eos_ids(model.generation_config))
     return SpeculativeHeads.from_model(model, num_heads=config.num_heads, num_layers=config.num_layers,
                                        draft_ids=draft_ids, kind=config.kind).float()
 

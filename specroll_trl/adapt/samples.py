@@ -56,7 +56,6 @@ def sample_to_folder(model, prompts: list[list[int]], folder: str | os.PathLike,
                                   topk_per_head=1)
     shards = range(0, len(prompts), batch_size)
     bar = tqdm(shards, desc="sampling the policy", disable=not progress, unit="shard")
-    tokens = 0
     for index, start in enumerate(bar):
         chunk = prompts[start : start + batch_size]
         path = folder / f"shard_{index:05d}.json"
@@ -69,7 +68,6 @@ def sample_to_folder(model, prompts: list[list[int]], folder: str | os.PathLike,
         tmp.write_text(json.dumps({"prompts": chunk, "completions": out.completion_ids, "seed": seed + index,
                                    "temperature": temperature, "seconds": out.stats.seconds}))
         tmp.replace(path)
-        tokens += sum(map(len, out.completion_ids))
         bar.set_postfix(tok_s=f"{sum(map(len, out.completion_ids)) / out.stats.seconds:.0f}")
     return read_folder(folder, len(shards))
 

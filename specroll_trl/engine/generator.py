@@ -225,6 +225,14 @@ class Verification:
     probs: torch.Tensor  # [B_t, n, V] the distribution each sample came from
 
 
+def eos_ids(generation_config: GenerationConfig) -> list[int]:
+    """The eos ids of a generation config as a list (``eos_token_id`` may be ``None``, an int or a list)."""
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in eos if e is not None] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
 def check_topk_fits(topk_per_head: int, heads: SpeculativeHeads, name: str = "topk_per_head") -> None:
     """Raise ``ValueError`` (naming the option ``name``) when the heads cannot propose ``topk_per_head`` tokens."""
     proposable = heads.config.draft_vocab_size or heads.config.vocab_size
@@ -332,7 +340,7 @@ class SpeculativeGenerator:
     def _prefill(self, input_ids, attention_mask, target: TargetDistribution, stats: GenerationStats) -> DecodeState:
         """Run the prompts (positions as ``generate`` computes them for left padding) and sample every row's root."""
         device, batch, max_new = input_ids.device, input_ids.shape[0], target.generation_config.max_new_tokens
-        eos = torch.tensor(self._eos_ids(target.generation_config), device=device, dtype=torch.long)
+        eos = torch.tensor(eos_ids(target.generation_config), device=device, dtype=torch.long)
         pad_len = (attention_mask != 0).int().argmax(1)
         if self.table is not None and self.table.depth.device != device:
             self.table = self.table.to(device)
@@ -545,17 +553,10 @@ class SpeculativeGenerator:
                 f"target logits contain NaN or inf at decoding step {step} for batch rows {rows[bad].tolist()}"
             )
 
-    @staticmethod
-    def _eos_ids(gen: GenerationConfig) -> list[int]:
-        eos = gen.eos_token_id
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
-
     def _fallback(self, input_ids, attention_mask, gen, max_new, start, reason=None) -> GenerationOutput:
         seqs = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen,
                                    max_new_tokens=max_new)[:, input_ids.shape[1]:].tolist()
-        eos = set(self._eos_ids(gen))
+        eos = set(eos_ids(gen))
         result = [s[: next((i + 1 for i, t in enumerate(s) if t in eos), len(s))] for s in seqs]
         stats = GenerationStats(forwards=max(map(len, result)), fallback=True, reason=reason or self.supported_error,
                                 tokens=sum(map(len, result)), seconds=time.perf_counter() - start)

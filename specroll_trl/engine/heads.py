@@ -44,7 +44,7 @@ class SpeculativeHeadsConfig:
         num_heads: number of heads ``H``; head ``k`` predicts the token ``k`` places after the next one.
         hidden_size: the target's hidden size (input and output size of every block).
         vocab_size: rows of the target's ``lm_head``; checked against the model.
-        num_layers: residual SiLU blocks per head.
+        num_layers: residual SiLU blocks per independent head (path heads have one block each: 1 only).
         draft_vocab_size: size of the draft vocabulary the heads propose from (0: the whole vocabulary).
         kind: ``"independent"`` (each head reads ``h_t``) or ``"path"`` (head ``k`` also reads the embeddings of
             the ``k`` path tokens before its target).
@@ -64,6 +64,9 @@ class SpeculativeHeadsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SpeculativeHeadsConfig.{name} must be a positive int, got {value!r}")
+        if self.kind == "path" and self.num_layers != 1:
+            raise ValueError(f"SpeculativeHeadsConfig.num_layers={self.num_layers}: path-conditioned heads have one "
+                             "block each (num_layers=1); more layers exist for independent heads only")
         if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"SpeculativeHeadsConfig.draft_vocab_size must be an int in [0, vocab_size], got "
                              f"{self.draft_vocab_size!r}")

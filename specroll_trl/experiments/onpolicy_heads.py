@@ -13,7 +13,6 @@ and the vLLM export, which need that kind.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import shutil
 from pathlib import Path

@@ -151,3 +151,42 @@ def test_fsdp2_fully_shard_on_cpu_keeps_ranks_in_lockstep():
     assert synced0 and synced1  # FSDP2 detected without being told
     assert max(lengths0) <= 3 and max(lengths1) > 10
     assert forwards0 == forwards1 and extra0 > 0 and extra1 == 0
+
+
+def _refit_rank(rank: int, port: int, results):
+    from specroll_trl.adapt.consolidation import ConsolidationCallback, ConsolidationConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model = make_model(vocab=40, scale=3.0, seed=0)
+    heads = SpeculativeHeads.from_model(model, 2, kind="path")
+    callback = ConsolidationCallback(heads, model.lm_head, ConsolidationConfig(
+        min_buffer=10, learn_min_new=10, steps=5, holdout_fraction=0.0, mu=0.0, lr=1e-2, seed=rank),
+        embed=model.get_input_embeddings())
+    gc = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(rank)  # each rank its own rollouts, hence its own buffer
+    ids, mask = left_padded([[5 + rank, 6, 7], [8, 9 + rank]])
+    SpeculativeGenerator(model, heads, gc, capacity=16, hooks=[callback.capture]).generate(ids, mask)
+    if rank == 1:
+        callback.buffer.add(callback.buffer.take(torch.arange(len(callback.buffer))))  # rank 1 alone: even more
+    callback.on_step_end(None, None, None)
+    results[rank] = (callback.learning, {k: v.clone() for k, v in heads.state_dict().items()})
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_refit_leaves_identical_heads_on_every_rank():
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    port = _free_port()
+    procs = [ctx.Process(target=_refit_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+        assert p.exitcode == 0
+    (fired0, state0), (fired1, state1) = results[0], results[1]
+    assert fired0 == fired1 == 1  # both ranks re-fitted, on rank 0's decision
+    assert all(torch.equal(state0[k], state1[k]) for k in state0)
+    assert any(v.abs().sum() > 0 for k, v in state0.items() if "outer" in k)  # the re-fit moved the heads

@@ -95,11 +95,61 @@ def block_means(records: list[dict], key: str, block: int = 5) -> list[float]:
     return [statistics.mean(values[i : i + block]) for i in range(0, len(values), block)]
 
 
+def summarise_arms(folder: str | Path, block: int = 5) -> dict:
+    """Every arm under ``folder`` (``<arm>_t<temperature>/steps.jsonl``): its per-step records, tau and KL by block
+    of ``block`` steps, tau relative to the static arm of the same temperature over the steps both ran, and what
+    each adaptation part cost as a share of the arm's step time."""
+    arms = {}
+    for log in sorted(Path(folder).glob("*/steps.jsonl")):
+        records = read_steps(log)
+        step_s = sum(r["step_seconds"] for r in records if r.get("step_seconds"))
+        parts = {"reflex": "spec/reflex/seconds", "capture": "spec/capture/seconds",
+                 "consolidation": "spec/consolidation_seconds"}
+        arms[log.parent.name] = {
+            "steps": len(records), "records": records,
+            "tau_blocks": block_means(records, "spec/tau", block), "kl_blocks": block_means(records, "kl", block),
+            "reward_mean": statistics.mean(r["reward"] for r in records),
+            "step_s_median": statistics.median(r["step_seconds"] for r in records if r.get("step_seconds")),
+            "cost_share": {name: sum(r.get(key, 0.0) for r in records) / step_s for name, key in parts.items()},
+            "consolidations": [(r["step"], r.get("spec/consolidation_gain")) for r in records
+                               if "spec/consolidation_seconds" in r],
+        }
+    for name, arm in arms.items():
+        static = arms.get("static_" + name.split("_", 1)[1])
+        if static and name != "static_" + name.split("_", 1)[1]:
+            n = min(arm["steps"], static["steps"])
+            ratio = [a["spec/tau"] / s["spec/tau"] for a, s in zip(arm["records"][:n], static["records"][:n])]
+            arm["tau_vs_static_blocks"] = [statistics.mean(ratio[i : i + block]) for i in range(0, n, block)]
+            arm["tau_vs_static_from_20"] = statistics.mean(ratio[19:]) if n > 19 else None
+    return arms
+
+
+def plot_arms(arms: dict, path: str | Path) -> None:
+    """tau per step (a 5-step running mean beside the raw points) and KL to the start policy, every arm."""
+    from .plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, (ax_tau, ax_kl) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, arm in arms.items():
+        steps = [r["step"] for r in arm["records"]]
+        tau = [r["spec/tau"] for r in arm["records"]]
+        smooth = [statistics.mean(tau[max(0, i - 4) : i + 1]) for i in range(len(tau))]
+        (line,) = ax_tau.plot(steps, smooth, label=name, lw=1.6)
+        ax_tau.scatter(steps, tau, s=6, color=line.get_color(), alpha=0.4)
+        ax_kl.plot(steps, [r.get("kl", 0.0) for r in arm["records"]], label=name, lw=1.2)
+    ax_tau.set(xlabel="GRPO step", ylabel="tau (4-node trees; 5-step mean)", title="Acceptance during GRPO")
+    ax_kl.set(xlabel="GRPO step", ylabel="KL to the start policy (nats/token)", title="How far the policy moved")
+    ax_tau.legend(fontsize=8)
+    ax_kl.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("arms", nargs="+", choices=sorted(ARMS))
+    parser.add_argument("arms", nargs="*", help=f"arms to run, of {sorted(ARMS)}")
+    parser.add_argument("--report", default=None, help="write the arms under --out as this JSON (and a PNG beside)")
     parser.add_argument("--out", default="runs/adaptation")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -110,3 +160,11 @@ if __name__ == "__main__":
         records = run_arm(name, cli.out, steps=cli.steps, temperature=cli.temperature, heads_path=cli.heads,
                           model_path=cli.model_path)
         print(name, "tau by 5 steps", [round(v, 3) for v in block_means(records, "spec/tau")], flush=True)
+    if cli.report:
+        summary = summarise_arms(cli.out)
+        Path(cli.report).write_text(json.dumps(summary, indent=1) + "\n")
+        plot_arms(summary, Path(cli.report).with_suffix(".png"))
+        for name, arm in summary.items():
+            print(f"{name:<12} steps {arm['steps']:>2}  tau/5 {[round(v, 2) for v in arm['tau_blocks']]}  "
+                  f"vs static {[round(v, 3) for v in arm.get('tau_vs_static_blocks', [])]}  "
+                  f"kl/5 {[round(v, 4) for v in arm['kl_blocks']]}  cost {arm['cost_share']}")

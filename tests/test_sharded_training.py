@@ -136,17 +136,23 @@ def _fsdp2_rank(rank: int, port: int, results):
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_fsdp2_fully_shard_on_cpu_keeps_ranks_in_lockstep():
+def _on_two_ranks(target) -> dict:
+    """Run ``target(rank, port, results)`` in two spawned processes (gloo); their ``results`` by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()
     port = _free_port()
-    procs = [ctx.Process(target=_fsdp2_rank, args=(r, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, results)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=240)
         assert p.exitcode == 0
+    return dict(results)
+
+
+@pytest.mark.slow
+def test_fsdp2_fully_shard_on_cpu_keeps_ranks_in_lockstep():
+    results = _on_two_ranks(_fsdp2_rank)
     (synced0, forwards0, lengths0, extra0), (synced1, forwards1, lengths1, extra1) = results[0], results[1]
     assert synced0 and synced1  # FSDP2 detected without being told
     assert max(lengths0) <= 3 and max(lengths1) > 10
@@ -177,15 +183,7 @@ def _refit_rank(rank: int, port: int, results):
 
 @pytest.mark.slow
 def test_a_refit_leaves_identical_heads_on_every_rank():
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    port = _free_port()
-    procs = [ctx.Process(target=_refit_rank, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-        assert p.exitcode == 0
+    results = _on_two_ranks(_refit_rank)
     (fired0, state0), (fired1, state1) = results[0], results[1]
     assert fired0 == fired1 == 1  # both ranks re-fitted, on rank 0's decision
     assert all(torch.equal(state0[k], state1[k]) for k in state0)

@@ -515,3 +515,21 @@ def test_learning_refits_fire_on_new_records_without_drafting_and_stop_when_they
     assert not off.learning_due()
     with pytest.raises(ValueError, match="learn_min_gain"):
         ConsolidationConfig(learn_min_gain=1.5)
+
+
+def test_trainer_adapts_path_heads_with_reflex_and_the_slow_path_through_peft(nano, tmp_path, dataset):  # noqa: F811
+    """The whole method on the default head kind: Reflex adjusts path heads depth by depth, the slow path re-fits
+    them (their LoRA adapters only) on captured records that carry the path, and the run logs both."""
+    model = nano[0]
+    base = SpeculativeHeads.from_model(model, num_heads=3, kind="path")
+    heads = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["inner", "outer"]))
+    frozen = {k: v.clone() for k, v in heads.state_dict().items() if "lora" not in k}
+    args = small_args(tmp_path, spec_heads_path=None, spec_reflex="lookup", spec_consolidation=True,
+                      spec_consolidation_kwargs=dict(trigger="every_round", min_buffer=16, steps=5,
+                                                     holdout_fraction=0.0), max_steps=2)
+    trainer = run(SpecGRPOTrainer, args, dataset, heads=heads)
+    assert trainer.spec_heads_kind == "path" and trainer.spec_consolidation.count == 2
+    assert trainer.spec_consolidation.buffer.data.path.abs().sum() > 0  # records carry their path tokens
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert all("spec/reflex/seconds" in r and r["spec/consolidation_seconds"] > 0 for r in rows)
+    assert all(torch.equal(frozen[k], v) for k, v in heads.state_dict().items() if k in frozen)  # adapters only

@@ -113,8 +113,8 @@ class SpecGRPOConfig(GRPOConfig):
         spec_reflex_kwargs (`dict`, `str` or `None`, *optional*):
             Settings of the preset's hooks (their config fields), e.g. `{"prior": 0.5}`; a JSON string also works.
         spec_consolidation (`bool`, *optional*, defaults to `False`):
-            The slow path: a drift monitor and head-only re-fits on tuples captured during verification, run by
-            `ConsolidationCallback` at the end of a training step.
+            The slow path: head-only re-fits on records captured during verification, when a drift monitor fires
+            or while re-fits still pay (young heads), run by `ConsolidationCallback` at the end of a training step.
         spec_consolidation_kwargs (`dict`, `str` or `None`, *optional*):
             Fields of `ConsolidationConfig` (e.g. `{"trigger": "every_round", "min_buffer": 512}`); JSON string ok.
     """

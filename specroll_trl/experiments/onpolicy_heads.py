@@ -6,8 +6,8 @@ about an hour on 2 CPU cores, so the default preset's heads ship with the packag
 the sampled token ids they were distilled from (``data/heads/<preset>/samples.safetensors``). All are keyed to the
 policy's weights (``policy_sha256``, the SHA-256 of ``distill_cache.policy_fingerprint``): shipped heads load
 only for the exact policy they were fitted to, shipped samples are reused only for it, and any other policy is
-sampled and distilled from scratch. Path heads are the default; the independent ones serve Reflex, the slow path
-and the vLLM export, which need that kind.
+sampled and distilled from scratch. Path heads are the default; the independent ones serve the vLLM export (vLLM's
+Medusa speculator takes that kind only) and runs that ask for them (``spec_heads_kind="independent"``).
 """
 
 from __future__ import annotations

@@ -107,9 +107,10 @@ class SpecGRPOConfig(GRPOConfig):
     > Adaptation
 
     Parameters:
-        spec_reflex (`str` or `None`, *optional*):
+        spec_reflex (`str` or `None`, *optional*, defaults to `"lookup"`):
             Reflex preset, the gradient-free per-trajectory correction of the heads' proposals: `"lookup"`,
-            `"lookup-group"`, `"baseline"`, ... (`specroll_trl.adapt.reflex.REFLEX_PRESETS`). `None`: off.
+            `"lookup-group"`, `"baseline"`, ... (`specroll_trl.adapt.reflex.REFLEX_PRESETS`). `None`: off. On by
+            default: on the default policy it raised tau by about 4% for under 0.5% of a GRPO step.
         spec_reflex_kwargs (`dict`, `str` or `None`, *optional*):
             Settings of the preset's hooks (their config fields), e.g. `{"prior": 0.5}`; a JSON string also works.
         spec_consolidation (`bool`, *optional*, defaults to `False`):
@@ -133,7 +134,7 @@ class SpecGRPOConfig(GRPOConfig):
     spec_max_nodes: int = field(default=16, metadata={"help": "N_max: draft nodes per row per step."})
     spec_capacity: int | None = field(default=None, metadata={"help": "C_hw of the fixed budget; None: online."})
     spec_fallback_to_generate: bool = field(default=True, metadata={"help": "Unsupported model: use generate."})
-    spec_reflex: str | None = field(default=None, metadata={"help": "Reflex preset name; None: off."})
+    spec_reflex: str | None = field(default="lookup", metadata={"help": "Reflex preset name; None: off."})
     spec_reflex_kwargs: dict | str | None = field(default=None, metadata={"help": "Settings of the Reflex hooks."})
     spec_consolidation: bool = field(default=False, metadata={"help": "Enable the slow path."})
     spec_consolidation_kwargs: dict | str | None = field(

@@ -27,11 +27,12 @@ from .shift import moved_policy
 from .zoo import DEFAULT_PRESET, PRETRAINED, preset_dataset, preset_heads, preset_task, preset_temperature
 
 VARIANTS = {
-    "static": {},
+    "static": {"spec_reflex": None},
     "reflex": {"spec_reflex": "lookup"},
-    "slow": {"spec_consolidation": True},
+    "slow": {"spec_reflex": None, "spec_consolidation": True},
     "both": {"spec_reflex": "lookup", "spec_consolidation": True},
-    "every_round": {"spec_consolidation": True, "spec_consolidation_kwargs": {"trigger": "every_round"}},
+    "every_round": {"spec_reflex": None, "spec_consolidation": True,
+                    "spec_consolidation_kwargs": {"trigger": "every_round"}},
 }
 
 

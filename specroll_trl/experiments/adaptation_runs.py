@@ -18,9 +18,9 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 ARMS = {
-    "static": {},
+    "static": {"spec_reflex": None},
     "reflex": {"spec_reflex": "lookup"},
-    "slow": {"spec_consolidation": True},
+    "slow": {"spec_reflex": None, "spec_consolidation": True},
     "both": {"spec_reflex": "lookup", "spec_consolidation": True},
 }
 

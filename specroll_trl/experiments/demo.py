@@ -17,7 +17,7 @@ from .plots import pyplot, save_figure
 
 RUNS = {  # name -> (trainer label, SpecGRPOConfig overrides; None = TRL's GRPOTrainer)
     "vanilla": ("GRPOTrainer", None),
-    "spec_static": ("SpecGRPOTrainer, static heads", {}),
+    "spec_static": ("SpecGRPOTrainer, static heads", {"spec_reflex": None}),
     "spec": ("SpecGRPOTrainer + Reflex + slow path", {"spec_reflex": "lookup", "spec_consolidation": True}),
 }
 

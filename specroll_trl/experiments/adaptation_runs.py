@@ -124,6 +124,24 @@ def summarise_arms(folder: str | Path, block: int = 5) -> dict:
     return arms
 
 
+def format_arms(arms: dict) -> str:
+    """A markdown table of ``summarise_arms``: tau by block of 5 steps, its ratio to the static arm, the re-fits and
+    what each part cost as a share of a step."""
+    lines = ["| arm | steps | tau by 5 steps | vs static by 5 steps | vs static, step 20 on | KL at the end | "
+             "re-fits (step: held-out gain) | Reflex / capture / re-fit share of a step |", "|---" * 8 + "|"]
+    for name, arm in arms.items():
+        late = arm.get("tau_vs_static_from_20")
+        refits = ", ".join(f"{step}: {100 * gain:+.1f}%" if gain is not None else f"{step}: rejected"
+                           for step, gain in arm["consolidations"]) or "-"
+        cost = arm["cost_share"]
+        lines.append(
+            f"| {name} | {arm['steps']} | {' / '.join(f'{v:.2f}' for v in arm['tau_blocks'])} | "
+            f"{' / '.join(f'{v:.3f}' for v in arm.get('tau_vs_static_blocks', [])) or '-'} | "
+            f"{'-' if late is None else f'{late:.3f}'} | {arm['records'][-1].get('kl', 0.0):.4f} | {refits} | "
+            f"{100 * cost['reflex']:.2f}% / {100 * cost['capture']:.2f}% / {100 * cost['consolidation']:.2f}% |")
+    return "\n".join(lines)
+
+
 def plot_arms(arms: dict, path: str | Path) -> None:
     """tau per step (a 5-step running mean beside the raw points) and KL to the start policy, every arm."""
     from .plots import pyplot, save_figure
@@ -164,7 +182,4 @@ if __name__ == "__main__":
         summary = summarise_arms(cli.out)
         Path(cli.report).write_text(json.dumps(summary, indent=1) + "\n")
         plot_arms(summary, Path(cli.report).with_suffix(".png"))
-        for name, arm in summary.items():
-            print(f"{name:<12} steps {arm['steps']:>2}  tau/5 {[round(v, 2) for v in arm['tau_blocks']]}  "
-                  f"vs static {[round(v, 3) for v in arm.get('tau_vs_static_blocks', [])]}  "
-                  f"kl/5 {[round(v, 4) for v in arm['kl_blocks']]}  cost {arm['cost_share']}")
+        print(format_arms(summary))

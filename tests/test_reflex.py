@@ -125,13 +125,14 @@ GROUP_LOOKUP = ("lookup-group", dict(prior=0.6, group_size=2))  # prompts repeat
 
 
 LOOKUP = ("lookup", dict(prior=0.6))
+BOTH = ("baseline+lookup", dict(eta=5.0, rho_min=-1.0 + 1e-3, prior=0.6))
 
 
 @pytest.mark.parametrize("settings,preset,kind", [
     (dict(temperature=1.0, top_k=0), FORCED, "independent"), (HARD, FORCED, "independent"),
     (HARD, GROUP_LOOKUP, "independent"), (HARD, LOOKUP, "independent"),
     (dict(temperature=1.0, top_k=0), FORCED, "path"), (HARD, FORCED, "path"), (HARD, GROUP_LOOKUP, "path"),
-    (HARD, LOOKUP, "path")])
+    (HARD, LOOKUP, "path"), (HARD, BOTH, "independent"), (HARD, BOTH, "path")])
 def test_engine_stays_exact_with_reflex_on(settings, preset, kind, monkeypatch):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
     heads = noisy_heads(model, std=0.4, seed=1, kind=kind)
@@ -144,7 +145,7 @@ def test_engine_stays_exact_with_reflex_on(settings, preset, kind, monkeypatch):
     monkeypatch.setattr(SpeculativeGenerator, "__init__", with_reflex)
     samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=7)
     assert stats["reflex_feedback"] > 0  # corrections really happened:
-    assert stats["reflex_norm"] > 0 if preset[0] == "baseline" else stats["reflex_lookup_hit"] > 0
+    assert stats["reflex_norm"] > 0 if preset[0].startswith("baseline") else stats["reflex_lookup_hit"] > 0
     for prompt, rows in zip(PROMPTS, samples):
         assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
 

@@ -452,6 +452,8 @@ def test_path_heads_refit_on_captured_records_reading_their_path():
                                embed=model.get_input_embeddings())
     assert report.ok and report.heldout_after < report.heldout_before and report.gain > 0
     assert any(not torch.equal(before[k], v) for k, v in heads.state_dict().items())
+    # the policy's embedding (trainable in GRPO) is read, never given a gradient: the policy's update stays TRL's
+    assert all(p.grad is None for p in model.parameters())
     # the loss reads the path: the same records with other path tokens score differently
     from specroll_trl.adapt.records import head_fit_loss
 

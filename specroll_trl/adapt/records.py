@@ -46,7 +46,9 @@ def record_states(heads, records: HeadRecords, embed=None) -> torch.Tensor:
         return heads(records.hidden)
     if embed is None:
         raise ValueError("path-conditioned heads need the target's input embedding (`embed`) to train or evaluate")
-    return heads(records.hidden, embed(records.path.to(embed.weight.device)).to(records.hidden.dtype))
+    with torch.no_grad():  # the policy's embedding is read, never trained here (nor given a gradient)
+        path = embed(records.path.to(embed.weight.device)).to(records.hidden.dtype)
+    return heads(records.hidden, path)
 
 
 def head_fit_loss(heads, projection: VocabProjection, records: HeadRecords, embed=None, kl_weight: float = 1.0,

@@ -170,9 +170,7 @@ def consolidate_heads(heads: torch.nn.Module, lm_head: torch.nn.Module, buffer: 
     Steps: skip (no trainable parameters, too few records); split the buffer into train and held-out
     records; refresh the draft vocabulary; fit; keep the new heads only if the held-out loss fell. Any error, or
     non-finite parameters, restores the previous heads (draft vocabulary included)."""
-    if getattr(heads, "reads_path", False) and embed is None:
-        raise ValueError("path-conditioned heads (kind='path') read the input embedding: pass `embed` "
-                         "(the policy's get_input_embeddings()) to re-fit them")
+    heads.check_path_source(embed, "consolidate_heads")
     config = config or ConsolidationConfig()
     start = time.perf_counter()
     refit = _Refit(heads, lm_head, buffer, config, embed)
@@ -308,9 +306,7 @@ class ConsolidationCallback(TrainerCallback):
 
     def __init__(self, heads: torch.nn.Module, lm_head: torch.nn.Module, config: ConsolidationConfig | None = None,
                  log: Callable[[dict[str, float]], None] | None = None, embed: torch.nn.Module | None = None):
-        if getattr(heads, "reads_path", False) and embed is None:
-            raise ValueError("path-conditioned heads (kind='path') read the input embedding: pass `embed` to "
-                             "ConsolidationCallback")
+        heads.check_path_source(embed, "ConsolidationCallback")
         c = self.config = config or ConsolidationConfig()
         self.heads, self.lm_head, self.embed = heads, lm_head, embed
         self.log = log or (lambda metrics: None)

@@ -40,12 +40,11 @@ class HeadRecords:
 
 
 def record_states(heads, records: HeadRecords, embed=None) -> torch.Tensor:
-    """``z [N, H, D]`` of the heads on the records; path heads read the input embeddings (``embed``: the target's
-    input embedding) of the records' path tokens."""
-    if not getattr(heads, "reads_path", False):
-        return heads(records.hidden)
+    """``z [N, H, D]`` of the heads on the records; given ``embed`` (the target's input embedding), the heads are also
+    handed the embeddings of the records' path tokens, which path heads read and independent heads ignore."""
+    heads.check_path_source(embed, "train or evaluate them")
     if embed is None:
-        raise ValueError("path-conditioned heads need the target's input embedding (`embed`) to train or evaluate")
+        return heads(records.hidden)
     with torch.no_grad():  # the policy's embedding is read, never trained here (nor given a gradient)
         path = embed(records.path.to(embed.weight.device)).to(records.hidden.dtype)
     return heads(records.hidden, path)

@@ -256,9 +256,10 @@ class SpeculativeGenerator:
         self.lm_head = lm_head_of(model)
         heads.check_compatible(model)
         check_topk_fits(self.config.topk_per_head, heads)
-        # the static path table only serves independent heads; path heads grow their trees depth by depth
-        self.table = None if heads.reads_path else PathTable.build(heads.num_heads, self.config.topk_per_head)
+        # how trees are drafted: path heads grow them depth by depth through the input embedding (``grow_tree``),
+        # independent heads pick them from a static table of every candidate path (``select_tree``)
         self.embed = model.get_input_embeddings() if heads.reads_path else None
+        self.table = None if self.embed is not None else PathTable.build(heads.num_heads, self.config.topk_per_head)
         self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
                                    else FixedBudget(self.config.capacity, self.config.max_nodes))
         self.supported_error: str | None = None
@@ -390,7 +391,7 @@ class SpeculativeGenerator:
         stats.active_rows.append(active)
         if not num_nodes:
             return Draft(select_tree(state.root, None, None, self.table, 0, self.heads.num_heads), 0)
-        if self.heads.reads_path:
+        if self.embed is not None:
             grown = grow_tree(state.root, state.hidden, self._head_step(state, hooks), self.embed,
                               self.heads.num_heads, self.config.topk_per_head, num_nodes)
             return Draft(grown.tree, num_nodes, grown=grown)

@@ -184,6 +184,13 @@ class SpeculativeHeads(nn.Module):
             raise ValueError("path-conditioned heads need the embeddings of the path tokens (`path`)")
         return torch.stack([head(hidden, path) for head in self.heads], dim=-2)
 
+    def check_path_source(self, embed: nn.Module | None, what: str) -> None:
+        """Raise ``ValueError`` when these heads read their path (``kind="path"``) and ``what`` was given no input
+        embedding to read it through (training and re-fitting read the realised path tokens' embeddings)."""
+        if self.reads_path and embed is None:
+            raise ValueError(f"path-conditioned heads (kind='path') read the input embedding: pass `embed` (the "
+                             f"policy's get_input_embeddings()) to {what}")
+
     def head_state(self, depth: int, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
         """Head ``depth``'s (1-based) hidden state: ``hidden [..., D]`` (and for path heads ``path [..., depth, D]``)
         -> ``z [..., D]``."""

@@ -105,7 +105,8 @@ def _train_heads(args) -> int:
         temperature=run["temperature"], max_new_tokens=run["max_new_tokens"], max_seconds=run["max_seconds"],
         seed=run["seed"], kind=args.kind or "independent",
     )
-    prompts = zoo.task_prompt_ids(tokenizer, run["task"], config.num_samples, seed=run["seed"] + 20_000)
+    prompts = zoo.task_prompt_ids(tokenizer, run["task"], config.num_samples, seed=run["seed"] + 20_000,
+                                  conversational=tokenizer.chat_template is not None)
     heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config)
     save_distilled(heads, report, args.out)
     print(format_hit_table(report["hit_rates"], report.get("target_mass")))
@@ -266,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train-heads", help="self-distil speculative heads for a policy",
         description="A pretrained preset (smollm2-135m) runs the recipe of its shipped heads on the shipped samples "
                     "(about 30 minutes on 2 cores; --resample draws new ones first, about an hour more); the flags "
-                    "below then do not apply. A toy preset or a model folder: the settings below.")
+                    "below then do not apply. A toy preset or a model folder: the settings below (a folder whose "
+                    "tokenizer has a chat template distils on chat-rendered prompts, as its GRPO run sees them).")
     heads.add_argument("--model", required=True, help="zoo preset or HF model folder")
     heads.add_argument("--resample", action="store_true",
                        help="pretrained preset: sample the policy again instead of reusing the shipped samples")

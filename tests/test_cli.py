@@ -20,6 +20,29 @@ def test_train_heads_cli_writes_heads_and_prints_hit_table(nano, tmp_path, capsy
     assert len(report["hit_rates"]) == 3
 
 
+def test_train_heads_on_a_chat_model_folder_distils_on_chat_rendered_prompts(nano, tmp_path, monkeypatch):
+    """A model folder whose tokenizer has a chat template is distilled on the prompts as its GRPO run renders them
+    (the task's chat messages through the template), not on the bare question text."""
+    from specroll_trl.adapt import distill
+
+    model, tokenizer, _ = nano
+    tokenizer.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    folder = tmp_path / "policy"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    seen = {}
+
+    def fake_distill(model, prompts, pad_token_id, config):
+        seen["prompts"] = prompts
+        raise RuntimeError("stop after the prompts")
+
+    monkeypatch.setattr(distill, "distill_heads", fake_distill)
+    with pytest.raises(RuntimeError, match="stop after the prompts"):
+        main(["train-heads", "--model", str(folder), "--out", str(tmp_path / "heads"), "--num-samples", "3"])
+    texts = [tokenizer.decode(ids) for ids in seen["prompts"]]
+    assert len(texts) == 3 and all(t.startswith("<<") and t.endswith(">>") for t in texts)
+
+
 @pytest.mark.slow
 def test_demo_cli_on_nano_runs_grpo_and_specgrpo_side_by_side(nano, tmp_path, capsys):
     out = tmp_path / "demo"

@@ -85,6 +85,16 @@ class ResidualSiLUBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+class IndependentHead(nn.Sequential):
+    """``num_layers`` residual SiLU blocks over ``h``: one head of the independent kind (it reads no path)."""
+
+    def __init__(self, hidden_size: int, num_layers: int):
+        super().__init__(*(ResidualSiLUBlock(hidden_size) for _ in range(num_layers)))
+
+    def forward(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(hidden)
+
+
 class PathConditionedHead(nn.Module):
     """``h + U SiLU(W [h; e_1; ...; e_k] + b)``: one head of the path kind, reading ``h`` and ``k`` path embeddings.
     ``U`` starts at zero (the head starts as the base next-token distribution) and, unlike a residual SiLU block, can
@@ -98,8 +108,10 @@ class PathConditionedHead(nn.Module):
         nn.init.zeros_(self.outer.weight)
         nn.init.zeros_(self.outer.bias)
 
-    def forward(self, hidden: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [..., D]``, ``path [..., k, D]`` (at least ``k`` embeddings; the first ``k`` are read)."""
+        if path is None:
+            raise ValueError("path-conditioned heads need the embeddings of the path tokens (`path`)")
         inputs = torch.cat([hidden, path[..., : self.path_length, :].flatten(-2)], dim=-1)
         return hidden + self.outer(F.silu(self.inner(inputs)))
 
@@ -114,10 +126,8 @@ class SpeculativeHeads(nn.Module):
             self.heads = nn.ModuleList(PathConditionedHead(config.hidden_size, k)
                                        for k in range(1, config.num_heads + 1))
         else:
-            self.heads = nn.ModuleList(
-                nn.Sequential(*(ResidualSiLUBlock(config.hidden_size) for _ in range(config.num_layers)))
-                for _ in range(config.num_heads)
-            )
+            self.heads = nn.ModuleList(IndependentHead(config.hidden_size, config.num_layers)
+                                       for _ in range(config.num_heads))
         # the draft vocabulary's target ids (saved with the weights), or None: the whole vocabulary
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
 
@@ -178,10 +188,6 @@ class SpeculativeHeads(nn.Module):
         """``hidden [..., D]`` -> per-head hidden states ``z [..., H, D]``. Path heads also need ``path [..., H, D]``:
         the input embeddings of ``x_{t+1..t+H}`` (head ``k`` reads the first ``k``), e.g. the realised tokens when
         training (``adapt.records.record_states``)."""
-        if not self.reads_path:
-            return torch.stack([head(hidden) for head in self.heads], dim=-2)
-        if path is None:
-            raise ValueError("path-conditioned heads need the embeddings of the path tokens (`path`)")
         return torch.stack([head(hidden, path) for head in self.heads], dim=-2)
 
     def check_path_source(self, embed: nn.Module | None, what: str) -> None:
@@ -194,8 +200,7 @@ class SpeculativeHeads(nn.Module):
     def head_state(self, depth: int, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
         """Head ``depth``'s (1-based) hidden state: ``hidden [..., D]`` (and for path heads ``path [..., depth, D]``)
         -> ``z [..., D]``."""
-        head = self.heads[depth - 1]
-        return head(hidden, path) if self.reads_path else head(hidden)
+        return self.heads[depth - 1](hidden, path)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module, path: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [..., D]`` -> head logits ``[..., H, V]`` through the shared ``lm_head`` (``V``: the draft

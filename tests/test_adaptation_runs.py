@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specroll_trl.experiments import zoo
-from specroll_trl.experiments.adaptation_runs import block_means, read_steps, run_arm
+from specroll_trl.experiments.adaptation_runs import block_means, read_steps, run_arm, speed_at_end
 
 
 @pytest.mark.slow
@@ -25,3 +25,8 @@ def test_an_arm_logs_every_step_once_and_resumes_from_its_checkpoint(nano, tmp_p
     assert json.loads(lines[0])["step"] == 1
     with pytest.raises(ValueError, match="unknown arm"):
         run_arm("sometimes", tmp_path, **kwargs)
+    speed = speed_at_end(tmp_path / "both_t1", batch_size=2, repeats=1, max_new_tokens=8, progress=False)
+    assert [r["mode"] for r in speed] == ["spec", "spec_fixed", "compaction_only"]
+    assert all(r["checkpoint"] == "checkpoint-3" and r["temperature"] == 1.0 and r["per_token_speedup"] > 0
+               for r in speed)
+    assert speed[1]["nodes_per_row"] == 4.0 and speed[2]["nodes_per_row"] == 0.0

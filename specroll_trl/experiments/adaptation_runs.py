@@ -15,6 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 from transformers import TrainerCallback
 
 ARMS = {
@@ -81,6 +82,47 @@ def run_arm(arm: str, out: str | Path, model_name: str = "smollm2-135m", steps: 
     resume = any(folder.glob("checkpoint-*"))
     trainer.train(resume_from_checkpoint=True if resume else None)
     return read_steps(log)
+
+
+def speed_at_end(arm_folder: str | Path, batch_size: int = 8, repeats: int = 3, max_new_tokens: int = 128,
+                 max_nodes: int = 16, fixed_nodes: int = 4, progress: bool = True) -> list[dict]:
+    """What the arm's last checkpoint (its policy and its heads) generates per token against ``generate``, at the
+    arm's temperature on ``batch_size`` GSM8K-train chat prompts: the engine with the online budget (``spec``,
+    up to ``max_nodes`` nodes per row), with the arm's fixed tree (``spec_fixed``, ``fixed_nodes`` per row) and
+    without drafting (``compaction_only``); the heads alone (Reflex off); runs alternate, same prompts and seeds
+    (``bench._alternate``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..adapt.samples import left_pad
+    from ..engine import SpeculativeGenerator, SpeculativeHeads
+    from .bench import _alternate
+    from .zoo import task_prompt_ids, trl_generation_config
+
+    folder = Path(arm_folder)
+    checkpoint = max(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    temperature = float(folder.name.rsplit("_t", 1)[1])  # run_arm names it <arm>_t<temperature>
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    heads = SpeculativeHeads.from_pretrained(checkpoint / "spec_heads")
+    gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)
+    engines = {
+        "spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes),
+        "spec_fixed": SpeculativeGenerator(model, heads, gc, max_nodes=fixed_nodes, capacity=1_000_000),
+        "compaction_only": SpeculativeGenerator(model, heads, gc, max_nodes=0, capacity=1),
+    }
+    prompts = task_prompt_ids(tokenizer, "gsm8k", batch_size, seed=0, conversational=True)
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    with torch.no_grad():
+        for engine in engines.values():
+            engine.generate(ids[:, -64:], mask[:, -64:], max_new_tokens=8)  # warm-up, untimed
+        records = _alternate(model, engines, ids, mask, gc, repeats)
+    for r in records:
+        r.update(arm=folder.name, checkpoint=checkpoint.name, batch_size=batch_size, temperature=temperature,
+                 max_new_tokens=max_new_tokens)
+        if progress:
+            print(f"{folder.name} {checkpoint.name} {r['mode']:<16} per token {r['per_token_speedup']:.2f}x  tau "
+                  f"{r['tau'] or float('nan'):.2f}  nodes {r['nodes_per_row']:.1f}", flush=True)
+    return records
 
 
 def read_steps(path: str | Path) -> list[dict]:
@@ -173,7 +215,15 @@ if __name__ == "__main__":
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--heads", default=None, help="heads folder (default: the trainer's choice)")
     parser.add_argument("--model-path", default=None, help="policy folder (default: the smollm2-135m preset)")
+    parser.add_argument("--speed", nargs="*", default=None, metavar="ARM_FOLDER",
+                        help="time generation with each arm folder's last checkpoint (policy and heads) against "
+                             "generate, 8 rows; with --report, the records go to that JSON")
     cli = parser.parse_args()
+    if cli.speed:
+        speed = [r for folder in cli.speed for r in speed_at_end(folder)]
+        if cli.report:
+            Path(cli.report).write_text(json.dumps(speed, indent=1) + "\n")
+        raise SystemExit(0)
     for name in cli.arms:
         records = run_arm(name, cli.out, steps=cli.steps, temperature=cli.temperature, heads_path=cli.heads,
                           model_path=cli.model_path)

@@ -50,3 +50,16 @@ def test_sampling_time_bound_stops_between_batches():
     assert len(sample_sequences(model, PROMPTS, config, 0, progress=False)) == 1  # the first batch always runs
     unbounded = dataclasses.replace(config, sampling_max_seconds=None)
     assert len(sample_sequences(model, PROMPTS, unbounded, 0, progress=False)) == len(PROMPTS)
+
+
+def test_distilling_or_loading_from_the_cache_leaves_the_callers_random_stream_alone(tmp_path):
+    """A trainer that distils its heads must draw the same rollouts afterwards as one that found them cached."""
+    draws = {}
+    for run in ("miss", "hit"):
+        model = make_model()
+        torch.manual_seed(1234)
+        _, report = cached_distill_heads(model, PROMPTS, 0, CONFIG, tmp_path, progress=False)
+        assert report["cache"] == run
+        draws[run] = torch.rand(5)
+    torch.manual_seed(1234)
+    assert torch.equal(draws["miss"], torch.rand(5)) and torch.equal(draws["hit"], draws["miss"])

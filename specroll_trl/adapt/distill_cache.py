@@ -71,7 +71,15 @@ def cached_distill_heads(model, prompt_ids: list[list[int]], pad_token_id: int, 
                          cache_dir: str | Path | None, progress: bool = True):
     """``distill_heads`` through the cache in ``cache_dir`` (``None``: no cache): returns ``(heads, report)``,
     ``report["cache"]`` saying ``"hit"``, ``"miss"`` or ``"off"``. A distillation cut short by its time bounds is
-    cached too (``report["truncated"]``; the bounds are part of the key). A folder appears whole or not at all."""
+    cached too (``report["truncated"]``; the bounds are part of the key). A folder appears whole or not at all.
+    The caller's random state is left as it was, hit or miss: a trainer that distils its heads draws the same
+    rollouts afterwards as one that found them in the cache."""
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _distill_through_cache(model, prompt_ids, pad_token_id, config, cache_dir, progress)
+
+
+def _distill_through_cache(model, prompt_ids, pad_token_id, config, cache_dir, progress):
     if cache_dir is None:
         heads, report = distill_heads(model, prompt_ids, pad_token_id, config, progress=progress)
         return heads, {**report, "cache": "off"}

@@ -1,9 +1,11 @@
 """GRPO on GSM8K-style math with speculative rollouts (or TRL's plain generate with --no-spec).
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml examples/grpo_gsm8k.py --model tiny --max-steps 5
+    accelerate launch --config_file accelerate_configs/cpu.yaml examples/grpo_gsm8k.py --max-steps 5
 
-Everything is offline: ``--model`` is a zoo preset (built on first use) or a local HF folder, ``--heads`` a
-heads folder (default: the zoo's distilled heads for a preset, else distilled before step 1).
+By default the real policy, SmolLM2-135M-Instruct (de-quantised from its wheel on first use), on GSM8K-train
+questions as chat prompts, sampled at TRL's default temperature (1.0). Everything is offline: ``--model`` is a zoo
+preset or a local HF folder (a toy, ``--model tiny``, runs the arithmetic task in seconds), ``--heads`` a heads
+folder (default: the heads shipped or distilled for a preset, else distilled before step 1).
 """
 
 import argparse
@@ -13,18 +15,19 @@ from trl import GRPOTrainer
 from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer
 from specroll_trl.experiments import zoo
 from specroll_trl.experiments.rewards import REWARD_FUNCS
-from specroll_trl.experiments.tasks import load_gsm8k, make_arithmetic_task
+from specroll_trl.experiments.tasks import chat_task_dataset, load_gsm8k, make_arithmetic_task
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="zoo preset or local HF model folder")
+    parser.add_argument("--model", default="smollm2-135m", help="zoo preset or local HF model folder")
     parser.add_argument("--heads", default=None, help="heads folder (default: zoo heads for a preset)")
-    parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k"])
+    parser.add_argument("--task", default=None, choices=["arithmetic", "gsm8k"],
+                        help="default: the preset's (gsm8k for smollm2-135m, as chat prompts), arithmetic otherwise")
     parser.add_argument("--no-spec", action="store_true", help="plain GRPOTrainer (TRL's generate)")
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--max-completion-length", type=int, default=256)
     parser.add_argument("--output-dir", default="runs/grpo_gsm8k")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
@@ -35,8 +38,13 @@ def main():
     model_path = str(zoo.resolve_policy(args.model))
     heads_path = args.heads or zoo.preset_heads(args.model)
     n_prompts = max(64, args.max_steps * args.prompts_per_step)
-    dataset = make_arithmetic_task(n_prompts, seed=args.seed) if args.task == "arithmetic" else load_gsm8k(
-        "train", limit=n_prompts)
+    task = args.task or zoo.preset_task(args.model)
+    if args.model in zoo.PRETRAINED:  # a chat model: conversational prompts, as TRL users pass them
+        dataset = chat_task_dataset(task, n_prompts, seed=args.seed)
+    elif task == "arithmetic":
+        dataset = make_arithmetic_task(n_prompts, seed=args.seed)
+    else:
+        dataset = load_gsm8k("train", limit=n_prompts)
     config = SpecGRPOConfig(
         output_dir=args.output_dir, max_steps=args.max_steps, num_generations=args.num_generations,
         per_device_train_batch_size=args.num_generations * args.prompts_per_step,

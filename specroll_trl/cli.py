@@ -59,7 +59,7 @@ def _demo(args) -> int:
 
 # train-heads settings of a toy preset or a model folder (a pretrained preset's recipe is fixed)
 TOY_HEAD_FLAGS = {"task": "arithmetic", "num_heads": 4, "num_samples": 512, "steps": 600, "max_new_tokens": 192,
-                  "temperature": 1.0, "max_seconds": None, "seed": 0}
+                  "temperature": 1.0, "max_seconds": None, "seed": 0, "draft_vocab_size": 4096}
 
 
 def _train_preset_heads(args) -> int:
@@ -103,7 +103,7 @@ def _train_heads(args) -> int:
     config = HeadDistillConfig(
         num_heads=run["num_heads"], num_samples=run["num_samples"], steps=run["steps"],
         temperature=run["temperature"], max_new_tokens=run["max_new_tokens"], max_seconds=run["max_seconds"],
-        seed=run["seed"], kind=args.kind or "independent",
+        seed=run["seed"], kind=args.kind or "independent", draft_vocab_size=run["draft_vocab_size"],
     )
     prompts = zoo.task_prompt_ids(tokenizer, run["task"], config.num_samples, seed=run["seed"] + 20_000,
                                   conversational=tokenizer.chat_template is not None)
@@ -284,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--temperature", type=float, default=None, help=f"(toy: {toy['temperature']})")
     heads.add_argument("--max-seconds", type=float, default=None, help="(toy: no limit)")
     heads.add_argument("--seed", type=int, default=None, help=f"(toy: {TOY_HEAD_FLAGS['seed']})")
+    heads.add_argument("--draft-vocab-size", type=int, default=None,
+                       help=f"the heads propose from the policy's most frequent tokens only; 0: the whole vocabulary "
+                            f"(toy: {TOY_HEAD_FLAGS['draft_vocab_size']}, which a toy's vocabulary is smaller than)")
     heads.set_defaults(func=_train_heads)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON records, see README)")

@@ -20,7 +20,7 @@ def test_train_heads_cli_writes_heads_and_prints_hit_table(nano, tmp_path, capsy
     assert len(report["hit_rates"]) == 3
 
 
-def test_train_heads_on_a_chat_model_folder_distils_on_chat_rendered_prompts(nano, tmp_path, monkeypatch):
+def test_train_heads_on_a_chat_model_folder_distils_on_chat_prompts_over_a_draft_vocabulary(nano, tmp_path, monkeypatch):
     """A model folder whose tokenizer has a chat template is distilled on the prompts as its GRPO run renders them
     (the task's chat messages through the template), not on the bare question text."""
     from specroll_trl.adapt import distill
@@ -33,7 +33,7 @@ def test_train_heads_on_a_chat_model_folder_distils_on_chat_rendered_prompts(nan
     seen = {}
 
     def fake_distill(model, prompts, pad_token_id, config):
-        seen["prompts"] = prompts
+        seen["prompts"], seen["config"] = prompts, config
         raise RuntimeError("stop after the prompts")
 
     monkeypatch.setattr(distill, "distill_heads", fake_distill)
@@ -41,6 +41,7 @@ def test_train_heads_on_a_chat_model_folder_distils_on_chat_rendered_prompts(nan
         main(["train-heads", "--model", str(folder), "--out", str(tmp_path / "heads"), "--num-samples", "3"])
     texts = [tokenizer.decode(ids) for ids in seen["prompts"]]
     assert len(texts) == 3 and all(t.startswith("<<") and t.endswith(">>") for t in texts)
+    assert seen["config"].draft_vocab_size == 4096  # a real vocabulary (49k for SmolLM2) is not projected whole
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ def main():
     trainer.train()
     trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:
-        for row in trainer.state.log_history[-args.max_steps:]:
+        for row in (row for row in trainer.state.log_history if "reward" in row):  # the step logs, not the summary
             keys = ("step", "loss", "reward", "spec/tau", "spec/generation_seconds")
             print({k: round(row[k], 4) if isinstance(row.get(k), float) else row.get(k) for k in keys if k in row})
 

@@ -32,7 +32,6 @@ from torch import nn
 from torch.nn import functional as F
 
 CONFIG_NAME = "config.json"
-HEAD_KINDS = ("independent", "path")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -64,7 +63,7 @@ class SpeculativeHeadsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SpeculativeHeadsConfig.{name} must be a positive int, got {value!r}")
-        if self.kind == "path" and self.num_layers != 1:
+        if HEAD_MODULES[self.kind].reads_path and self.num_layers != 1:
             raise ValueError(f"SpeculativeHeadsConfig.num_layers={self.num_layers}: path-conditioned heads have one "
                              "block each (num_layers=1); more layers exist for independent heads only")
         if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
@@ -88,8 +87,14 @@ class ResidualSiLUBlock(nn.Module):
 class IndependentHead(nn.Sequential):
     """``num_layers`` residual SiLU blocks over ``h``: one head of the independent kind (it reads no path)."""
 
+    reads_path = False
+
     def __init__(self, hidden_size: int, num_layers: int):
         super().__init__(*(ResidualSiLUBlock(hidden_size) for _ in range(num_layers)))
+
+    @classmethod
+    def for_depth(cls, config: SpeculativeHeadsConfig, depth: int) -> IndependentHead:
+        return cls(config.hidden_size, config.num_layers)
 
     def forward(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
         return super().forward(hidden)
@@ -100,6 +105,8 @@ class PathConditionedHead(nn.Module):
     ``U`` starts at zero (the head starts as the base next-token distribution) and, unlike a residual SiLU block, can
     move ``z`` away from ``h``'s own next-token direction."""
 
+    reads_path = True
+
     def __init__(self, hidden_size: int, path_length: int):
         super().__init__()
         self.path_length = path_length
@@ -107,6 +114,10 @@ class PathConditionedHead(nn.Module):
         self.outer = nn.Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.outer.weight)
         nn.init.zeros_(self.outer.bias)
+
+    @classmethod
+    def for_depth(cls, config: SpeculativeHeadsConfig, depth: int) -> PathConditionedHead:
+        return cls(config.hidden_size, depth)
 
     def forward(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [..., D]``, ``path [..., k, D]`` (at least ``k`` embeddings; the first ``k`` are read)."""
@@ -116,18 +127,18 @@ class PathConditionedHead(nn.Module):
         return hidden + self.outer(F.silu(self.inner(inputs)))
 
 
+HEAD_MODULES = {"independent": IndependentHead, "path": PathConditionedHead}  # kind -> one head's module
+HEAD_KINDS = tuple(HEAD_MODULES)
+
+
 class SpeculativeHeads(nn.Module):
     """``H`` heads over a shared, external ``lm_head`` (``config.kind``: independent or path-conditioned)."""
 
     def __init__(self, config: SpeculativeHeadsConfig):
         super().__init__()
         self.config = config
-        if config.kind == "path":
-            self.heads = nn.ModuleList(PathConditionedHead(config.hidden_size, k)
-                                       for k in range(1, config.num_heads + 1))
-        else:
-            self.heads = nn.ModuleList(IndependentHead(config.hidden_size, config.num_layers)
-                                       for _ in range(config.num_heads))
+        self.heads = nn.ModuleList(HEAD_MODULES[config.kind].for_depth(config, k)
+                                   for k in range(1, config.num_heads + 1))
         # the draft vocabulary's target ids (saved with the weights), or None: the whole vocabulary
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
 
@@ -138,7 +149,7 @@ class SpeculativeHeads(nn.Module):
     @property
     def reads_path(self) -> bool:
         """Whether head ``k`` reads the embeddings of the path tokens before its target (``kind="path"``)."""
-        return self.config.kind == "path"
+        return HEAD_MODULES[self.config.kind].reads_path
 
     @classmethod
     def from_model(cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1,

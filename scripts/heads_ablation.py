@@ -26,13 +26,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specroll_trl.adapt.distill import (
     REPORT_FILE,
-    TokenStream,
-    build_stream,
     distill_on_streams,
     draft_vocab_coverage,
     draft_vocabulary,
@@ -44,17 +41,6 @@ from specroll_trl.adapt.distill import (
 from specroll_trl.adapt.distill_cache import policy_fingerprint
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.experiments import onpolicy_heads, zoo
-
-FIELDS = ("hidden", "ids", "anchor_ok", "seq_end", "top_ids", "top_probs")
-
-
-def cached_stream(model, pairs, config, path: Path) -> TokenStream:
-    if path.is_file():
-        tensors = load_file(str(path))
-        return TokenStream(**{f: tensors[f] for f in FIELDS})
-    stream = build_stream(model, pairs, config.temperature, config.target_topk, progress=True, desc=path.stem)
-    save_file({f: getattr(stream, f).contiguous() for f in FIELDS}, str(path))
-    return stream
 
 
 def without_outer_projection(heads: SpeculativeHeads) -> SpeculativeHeads:
@@ -81,8 +67,10 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     samples = onpolicy_heads.sample_plan(model, tokenizer, zoo.policy_dir(args.model) / "onpolicy_samples", config)
-    train = cached_stream(model, samples["train"], config, work / "train_stream.safetensors")
-    heldout = cached_stream(model, samples["heldout"], config, work / "heldout_stream.safetensors")
+    train = onpolicy_heads.cached_stream(model, samples["train"], config.temperature, config.target_topk,
+                                         work / "train_stream.safetensors")
+    heldout = onpolicy_heads.cached_stream(model, samples["heldout"], config.temperature, config.target_topk,
+                                           work / "heldout_stream.safetensors")
     print(f"{int(train.anchor_ok.sum())} training anchors, {int(heldout.anchor_ok.sum())} held-out anchors from "
           f"{len(samples['heldout'])} sequences", flush=True)
 

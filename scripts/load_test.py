@@ -49,7 +49,12 @@ def run_child(args) -> dict:
     from specroll_trl.experiments import zoo
 
     model, tokenizer = zoo.load_policy(args.preset, progress=False)
-    prompts = zoo.task_prompt_ids(tokenizer, "arithmetic", args.batch, seed=args.seed)
+    if args.prompts == "gsm8k":
+        from specroll_trl.experiments.heads_bench import bench_prompts
+
+        prompts = bench_prompts(tokenizer, args.batch)
+    else:
+        prompts = zoo.task_prompt_ids(tokenizer, "arithmetic", args.batch, seed=args.seed)
     pad = tokenizer.pad_token_id
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -59,7 +64,8 @@ def run_child(args) -> dict:
     eos = model.generation_config.eos_token_id if args.stop_at_eos else None
     if not args.stop_at_eos:
         model.generation_config.eos_token_id = None  # generate merges the model's defaults into the config
-    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=new_tokens, eos_token_id=eos,
+    gc = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, max_new_tokens=new_tokens,
+                          eos_token_id=eos,
                           pad_token_id=pad)
     rss_loaded = peak_rss_mb()
     torch.manual_seed(args.seed)
@@ -93,7 +99,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help=f"rows (default {FULL['batch']})")
     parser.add_argument("--new-tokens", type=int, default=None, help=f"tokens per row (default {FULL['new_tokens']})")
     parser.add_argument("--quick", action="store_true", help=f"small size for tests: {QUICK}")
-    parser.add_argument("--capacity", type=int, default=1024, help="C_hw for the engine (fixed: no profiling)")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="C_hw of a fixed budget (default: the engine's online budget, what users get)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--prompts", choices=("arithmetic", "gsm8k"), default="arithmetic",
+                        help="the task's prompts, or GSM8K-test chat prompts (the heads' benches')")
     parser.add_argument("--max-nodes", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-at-eos", action="store_true", help="keep the policy's eos ids (rows may end early)")
@@ -112,7 +122,10 @@ def main(argv=None) -> int:
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     common = ["--preset", args.preset, "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
-              "--capacity", str(args.capacity), "--max-nodes", str(args.max_nodes), "--seed", str(args.seed)]
+              "--max-nodes", str(args.max_nodes), "--seed", str(args.seed), "--temperature", str(args.temperature),
+              "--prompts", args.prompts]
+    if args.capacity is not None:
+        common += ["--capacity", str(args.capacity)]
     if args.stop_at_eos:
         common.append("--stop-at-eos")
     records = []
@@ -134,6 +147,9 @@ def main(argv=None) -> int:
     for r in records:
         print(f"{r['method']:<8} {r['peak_rss_mb']:>13.1f} {r['rss_after_load_mb']:>11.1f} {r['seconds']:>9.2f} "
               f"{r['tokens']:>9}")
+    added = {r["method"]: r["peak_rss_mb"] - r["rss_after_load_mb"] for r in records}
+    print(f"memory generation adds to the process: spec {added['spec']:.0f} MiB, vanilla {added['vanilla']:.0f} MiB "
+          f"({added['spec'] / max(added['vanilla'], 1e-9):.2f}x)")
     print(f"spec/vanilla peak RSS: {spec['peak_rss_mb'] / vanilla['peak_rss_mb']:.2f}x; "
           f"batch {args.batch} x {spec['new_tokens']} new tokens on {args.preset}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")

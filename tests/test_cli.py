@@ -20,7 +20,7 @@ def test_train_heads_cli_writes_heads_and_prints_hit_table(nano, tmp_path, capsy
     assert len(report["hit_rates"]) == 3
 
 
-def test_train_heads_on_a_chat_model_folder_distils_on_chat_prompts_over_a_draft_vocabulary(nano, tmp_path, monkeypatch):
+def test_train_heads_on_a_chat_model_folder_distils_on_chat_prompts_over_a_draft_vocab(nano, tmp_path, monkeypatch):
     """A model folder whose tokenizer has a chat template is distilled on the prompts as its GRPO run renders them
     (the task's chat messages through the template), not on the bare question text."""
     from specroll_trl.adapt import distill

@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from specroll_trl.engine.generator import SpeculativeGenerator
+from specroll_trl.engine.generator import SpeculativeGenerator, final_hidden_of
 from specroll_trl.engine.heads import SpeculativeHeads
+from specroll_trl.engine.hooks import StepHook
 
-from .conftest import cut_after_eos, left_padded
+from .conftest import cut_after_eos, left_padded, make_model
 from .test_engine import PROMPTS, SAMPLING_SETTINGS, chi_square_pvalue, engine_samples, exact_completion_distribution
 
 
@@ -60,6 +61,34 @@ def test_greedy_equals_generate_on_llama_with_gqa_and_tied_embeddings(draft):
     out = SpeculativeGenerator(model, heads, gc, max_nodes=8).generate(ids, mask)
     ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)[:, ids.shape[1]:].tolist()
     assert out.completion_ids == cut_after_eos(ref, {1})
+
+
+class FirstStepHidden(StepHook):
+    def __init__(self):
+        self.hidden = None
+
+    def feedback(self, step):
+        if self.hidden is None:
+            self.hidden = step.hidden.clone()
+
+
+@pytest.mark.parametrize("make", [make_llama, make_model])
+def test_heads_read_the_targets_final_hidden_state_without_output_hidden_states(make):
+    """The engine reads the final hidden states as the lm_head's input (no ``output_hidden_states``, which keeps
+    every layer's): on Llama and Qwen2 that is what ``output_hidden_states`` gives last, for the prefill's last
+    position and for every tree node."""
+    model = make(vocab=64, hidden=32, seed=3)
+    ids, mask = left_padded([[5, 6, 7, 8], [9, 10]])
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    reference = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                      output_hidden_states=True).hidden_states[-1]
+    with final_hidden_of(model.get_output_embeddings()) as seen:
+        model(input_ids=ids, attention_mask=mask, position_ids=position_ids)
+    assert torch.equal(seen[-1], reference)
+    hook = FirstStepHidden()
+    gc = GenerationConfig(do_sample=False, max_new_tokens=4, eos_token_id=1, pad_token_id=0)
+    SpeculativeGenerator(model, noisy(model), gc, hooks=[hook], max_nodes=4).generate(ids, mask)
+    torch.testing.assert_close(hook.hidden, reference[:, -1], rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------- the real default policy

@@ -24,12 +24,14 @@ from .records import HeadRecords
 class HeadBuffer:
     """A bounded ring of detached ``HeadRecords``; the oldest are overwritten first. ``data`` holds every slot
     (the first ``len(self)`` are filled); ``added`` counts every record ever added; ``round[slot]`` numbers the
-    ``add`` call (one per ``generate`` call: a generation round) each record came in with."""
+    ``add`` call (one per ``generate`` call: a generation round) each record came in with; ``temperature`` the
+    sampling temperature its targets are at (the latest round's; ``None`` for greedy or not known)."""
 
     def __init__(self, capacity: int, num_heads: int, hidden_size: int, topk: int):
         if capacity < 1 or topk < 1:
             raise ValueError(f"buffer capacity and topk must be >= 1, got {capacity} and {topk}")
         self.capacity, self.num_heads, self.topk = capacity, num_heads, topk
+        self.temperature: float | None = None
         self.data = HeadRecords(
             hidden=torch.zeros((capacity, hidden_size)), path=torch.zeros((capacity, num_heads), dtype=torch.long),
             target_ids=torch.zeros((capacity, num_heads, topk), dtype=torch.long),
@@ -95,6 +97,7 @@ class BufferCapture(StepHook):
         if context.num_heads != self.buffer.num_heads:
             raise ValueError(f"buffer holds {self.buffer.num_heads} heads, the engine runs {context.num_heads}")
         self._batch = context.batch_size
+        self.buffer.temperature = context.temperature
         self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, root_index, hidden)
         # per row and completion index: the target's top-K there and the committed token (roots included)
         self._ids = self._probs = self._tokens = None

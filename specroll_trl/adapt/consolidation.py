@@ -238,14 +238,14 @@ class _Refit:
         """The fit loss on (up to 4,096) held-out records; NaN without a held-out split."""
         if not len(self.held):
             return math.nan
-        projection = self.heads.projection(self.lm_head)  # after the vocabulary refresh
+        projection = self.heads.projection(self.lm_head, self.buffer.temperature)  # after the vocabulary refresh
         with torch.no_grad():
             return float(self.loss(projection, self.buffer.take(self.held[:4096])))
 
     def fit(self, report: ConsolidationReport, deadline: float) -> None:
         """``config.steps`` Adam steps (or until ``deadline``) on the fit loss plus the proximal penalty."""
         config, params = self.config, self.params
-        projection = self.heads.projection(self.lm_head)  # the shared lm_head: read, never updated
+        projection = self.heads.projection(self.lm_head, self.buffer.temperature)  # lm_head: read, never updated
         optimizer = torch.optim.Adam(params, lr=config.lr)
         with torch.enable_grad():
             for step in range(config.steps):

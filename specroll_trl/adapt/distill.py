@@ -52,6 +52,8 @@ class HeadDistillConfig:
     lr: float = field(default=1e-2, metadata={"help": "Adam learning rate."})
     kl_weight: float = field(default=1.0, metadata={"help": "weight of ``KL(p || q_k)``."})
     nll_weight: float = field(default=1.0, metadata={"help": "weight of cross-entropy on the realised token."})
+    accept_weight: float = field(default=0.0, metadata={
+        "help": "weight of the acceptance term ``-log sum_v min(p_v, q_v)`` (LK-style; 0: off)."})
     max_seconds: float | None = field(
         default=None, metadata={"help": "stop training early after this many seconds (``None``: no limit)."})
     eval_every: int = field(default=0, metadata={
@@ -87,6 +89,9 @@ class HeadDistillConfig:
             raise ValueError(f"eval_every must be >= 0 and patience >= 1, got {self.eval_every}, {self.patience}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
+        weights = {name: getattr(self, name) for name in ("kl_weight", "nll_weight", "accept_weight")}
+        if any(w < 0 for w in weights.values()) or not any(weights.values()):
+            raise ValueError(f"loss weights must be >= 0 and not all zero, got {weights}")
 
 
 @dataclass
@@ -200,11 +205,11 @@ def draft_vocabulary(stream: TokenStream, size: int, always: list[int]) -> torch
 
 
 def head_losses(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, anchors: torch.Tensor,
-                kl_weight: float, nll_weight: float, embed=None) -> torch.Tensor:
-    """Per-head fit loss (:func:`records.head_fit_loss`) of ``anchors`` of ``stream``."""
+                config: HeadDistillConfig, embed=None) -> torch.Tensor:
+    """Per-head fit loss (:func:`records.head_fit_loss`, weighted as ``config`` says) of ``anchors`` of ``stream``."""
     weight = projection.lm_head.weight
     records = stream.records(anchors, heads.num_heads).to(weight.device, next(heads.parameters()).dtype)
-    return head_fit_loss(heads, projection, records, embed, kl_weight, nll_weight)
+    return head_fit_loss(heads, projection, records, embed, config.kl_weight, config.nll_weight, config.accept_weight)
 
 
 @torch.no_grad()
@@ -270,7 +275,7 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
     optimizer = torch.optim.Adam(params, lr=config.lr)
     anchors = stream.anchor_ok.nonzero().squeeze(-1)
     gen = torch.Generator().manual_seed(config.seed)
-    projection = heads.projection(lm_head)
+    projection = heads.projection(lm_head, config.temperature)  # the heads' own temperature -> the targets'
     early = heldout is not None and config.eval_every > 0
     held_anchors = heldout.anchor_ok.nonzero().squeeze(-1)[:16384] if early else None
     best, evals, since_best = (float("inf"), None, 0), [], 0
@@ -280,7 +285,7 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
     steps_done, loss = 0, torch.tensor(float("nan"))
     for _ in bar:
         batch = anchors[torch.randint(len(anchors), (config.batch_size,), generator=gen)]
-        loss = head_losses(heads, projection, stream, batch, config.kl_weight, config.nll_weight, embed).sum()
+        loss = head_losses(heads, projection, stream, batch, config, embed).sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"head distillation loss became {loss.item()} at step {steps_done}")
         optimizer.zero_grad(set_to_none=True)
@@ -318,7 +323,7 @@ def heldout_loss(heads, projection, stream: TokenStream, anchors: torch.Tensor, 
     total, weight = 0.0, 0
     for i in range(0, len(anchors), chunk):
         a = anchors[i : i + chunk]
-        losses = head_losses(heads, projection, stream, a, config.kl_weight, config.nll_weight, embed)
+        losses = head_losses(heads, projection, stream, a, config, embed)
         total += float(losses.sum()) * len(a)
         weight += len(a)
     return total / max(1, weight)
@@ -363,6 +368,8 @@ def distill_on_streams(model, train_stream: TokenStream, heldout_stream: TokenSt
     lm_head, embed = lm_head_of(model), model.get_input_embeddings()
     heads = heads if heads is not None else new_heads(model, train_stream, config)
     heads.check_compatible(model)
+    if heads.config.temperature is None:  # new heads, or heads of unknown temperature: they learn the targets' own
+        heads.config.temperature = config.temperature
     report = train_heads_on_stream(heads, lm_head, train_stream, config, progress, embed, heldout_stream)
     if fp16_weights:
         heads.half().float()

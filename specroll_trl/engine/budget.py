@@ -5,9 +5,10 @@
 * cost: per batch-size bucket, the step's wall time against draft nodes per row ``N``,
   ``t(B, N) = a + d [N > 0] + b N`` (``d``: the draft itself, heads and their vocabulary projection), fitted by
   exponentially weighted least squares on measured steps, starting from a prior that makes the first step draft;
-* gain: expected committed tokens per row ``g(N) = 1 + k A(N)``, where ``A(N)`` is the mean over rows of the best
-  ``N`` path scores of the tree (the heads' own estimate of each node's acceptance, summed) and ``k`` the observed
-  ratio of realised to predicted accepted nodes;
+* gain: expected committed tokens per row ``g(N) = 1 + k_N A(N)``, where ``A(N)`` is the mean over rows of the best
+  ``N`` path scores of the tree (the heads' own estimate of each node's acceptance, summed) and ``k_N`` the observed
+  ratio of realised to predicted accepted nodes at width ``N`` (or the nearest width drafted);
+* the cost of a width already measured is mostly its own mean step time, the fit filling in the others;
 * each step takes ``argmax_N g(N) / t(B, N)`` (committed tokens per second), and now and then a neighbour of it,
   so that the cost of other widths keeps being measured.
 
@@ -61,20 +62,22 @@ class OnlineBudget(NodeBudget):
         prior_accept: the prior's acceptance of the tree's ``j``-th best node is ``prior_accept ** log2(j + 1)``.
         forget: weight kept by older measurements at each new one (exponential forgetting).
         explore: probability of trying a neighbouring width instead of the best one.
+        trust: measurements of one width needed before its own mean counts as much as the models' prediction.
         seed: seeds the exploration draws (a generator of its own: the sampling stream is untouched).
     """
 
     def __init__(self, max_nodes: int, prior_capacity: int = 64, prior_draft_cost: float = 0.1,
-                 prior_accept: float = 0.6, forget: float = 0.97, explore: float = 0.1, seed: int = 0):
+                 prior_accept: float = 0.6, forget: float = 0.97, explore: float = 0.1, trust: float = 2.0,
+                 seed: int = 0):
         self.max_nodes = max_nodes
         self.prior_capacity, self.prior_draft_cost = prior_capacity, prior_draft_cost
-        self.forget, self.explore = forget, explore
+        self.forget, self.explore, self.trust = forget, explore, trust
         self.rng = random.Random(seed)
         nodes = torch.arange(1, max_nodes + 1, dtype=torch.float64)
         self.gain = torch.cat([torch.zeros(1, dtype=torch.float64), prior_accept ** torch.log2(nodes + 1)]).cumsum(0)
-        self.calibration = 1.0
-        self._predicted = self._realised = 0.0
         self.fits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (X^T W X, X^T W t)
+        self.width_seconds: dict[int, torch.Tensor] = {}  # bucket -> [2, N_max + 1]: (weight, weighted seconds)
+        self.width_accept = torch.zeros(3, max_nodes + 1, dtype=torch.float64)  # weight, realised, predicted
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -84,22 +87,40 @@ class OnlineBudget(NodeBudget):
         return torch.stack([torch.ones_like(nodes), (nodes > 0).double(), nodes], dim=-1)
 
     def cost(self, active_rows: int) -> torch.Tensor:
-        """Predicted step seconds (relative, when nothing was measured yet) for ``N = 0..N_max``."""
+        """Predicted step seconds (relative, when nothing was measured yet) for ``N = 0..N_max``: each width's own
+        mean step time where it was measured, shrunk towards the linear fit of all widths (which alone covers the
+        widths not measured yet)."""
         nodes = torch.arange(self.max_nodes + 1, dtype=torch.float64)
-        fit = self.fits.get(self._bucket(active_rows))
+        bucket = self._bucket(active_rows)
+        fit = self.fits.get(bucket)
         prior = torch.tensor([1.0, self.prior_draft_cost, active_rows / self.prior_capacity], dtype=torch.float64)
         if fit is None:
             return self._features(nodes) @ prior
         gram, moment = fit
         scale = moment[0] / gram[0, 0]  # mean measured seconds: the prior acts in those units
         ridge = 1e-2 * torch.eye(3, dtype=torch.float64)
-        coef = torch.linalg.solve(gram + ridge, moment + ridge @ (prior * scale))
-        return (self._features(nodes) @ coef).clamp(min=1e-9)
+        model = (self._features(nodes) @ torch.linalg.solve(gram + ridge, moment + ridge @ (prior * scale)))
+        weight, seconds = self.width_seconds[bucket]
+        return ((seconds + self.trust * model.clamp(min=1e-9)) / (weight + self.trust)).clamp(min=1e-9)
+
+    def accepted(self) -> torch.Tensor:
+        """Expected accepted draft nodes per row for ``N = 0..N_max``: the heads' own estimate (their best ``N``
+        path scores), scaled by the realised / predicted ratio measured at that width or, for a width never
+        drafted, at the nearest one that was (heads trained at another temperature misjudge deep nodes more
+        than shallow ones, so one ratio for all widths misprices both)."""
+        weight, realised, predicted = self.width_accept
+        seen = (weight > 0).nonzero().squeeze(1)
+        if not len(seen):
+            return self.gain
+        nodes = torch.arange(self.max_nodes + 1)
+        nearest = seen[(nodes[:, None] - seen[None]).abs().argmin(1)]
+        ratio = realised[nearest] / predicted[nearest].clamp(min=1e-9)
+        return self.gain * ratio
 
     def choose(self, active_rows: int) -> int:
         if active_rows <= 0:
             return 0
-        rate = (1.0 + self.calibration * self.gain) / self.cost(active_rows)
+        rate = (1.0 + self.accepted()) / self.cost(active_rows)
         best = int(rate.argmax())
         if self.rng.random() < self.explore:
             best = self.rng.choice([max(0, best // 2), min(self.max_nodes, max(1, 2 * best))])
@@ -111,6 +132,10 @@ class OnlineBudget(NodeBudget):
         gram, moment = self.fits.get(bucket, (torch.zeros(3, 3, dtype=torch.float64),
                                               torch.zeros(3, dtype=torch.float64)))
         self.fits[bucket] = (self.forget * gram + torch.outer(x, x), self.forget * moment + x * seconds)
+        width = self.width_seconds.get(bucket, torch.zeros(2, self.max_nodes + 1, dtype=torch.float64))
+        width *= self.forget
+        width[:, num_nodes] += torch.tensor([1.0, seconds], dtype=torch.float64)
+        self.width_seconds[bucket] = width
         if path_scores is None or num_nodes == 0:
             return
         k = min(self.max_nodes, path_scores.shape[-1])
@@ -118,13 +143,18 @@ class OnlineBudget(NodeBudget):
         curve = torch.cat([torch.zeros(1, dtype=torch.float64), best,
                            best[-1].expand(self.max_nodes - k)])  # no more candidates past k
         self.gain = 0.8 * self.gain + 0.2 * curve
-        self._predicted = self.forget * self._predicted + float(curve[num_nodes])
-        self._realised = self.forget * self._realised + accepted
-        self.calibration = self._realised / max(self._predicted, 1e-9)
+        self.width_accept *= self.forget
+        self.width_accept[:, num_nodes] += torch.tensor([1.0, accepted, float(curve[num_nodes])], dtype=torch.float64)
+
+    @property
+    def calibration(self) -> float:
+        """Realised over predicted accepted nodes, over every width drafted (recent steps weigh more)."""
+        _, realised, predicted = self.width_accept.sum(1)
+        return float(realised / predicted) if predicted > 0 else 1.0
 
     def state(self) -> dict:
         """What the budget currently believes (for logging and tests)."""
-        return {"calibration": self.calibration, "gain": self.gain.tolist(),
+        return {"calibration": self.calibration, "gain": self.gain.tolist(), "accepted": self.accepted().tolist(),
                 "buckets": sorted(self.fits), "prior_capacity": self.prior_capacity}
 
 

@@ -18,6 +18,7 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -225,6 +226,26 @@ class Verification:
     probs: torch.Tensor  # [B_t, n, V] the distribution each sample came from
 
 
+@contextmanager
+def final_hidden_of(lm_head: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Inside the block, every input the ``lm_head`` is called on (the final hidden states, normed) is appended to
+    the yielded list. Read this way a forward keeps no other layer's states: ``output_hidden_states`` would keep
+    every layer's, over a prompt rows x tokens x hidden per layer (a third of a GB at 32 rows on SmolLM2)."""
+    seen: list[torch.Tensor] = []
+    handle = lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def sampling_temperature(generation_config: GenerationConfig) -> float | None:
+    """The temperature a config samples at (``None`` for greedy decoding): what the heads draft at."""
+    if not generation_config.do_sample:
+        return None
+    return float(generation_config.temperature if generation_config.temperature is not None else 1.0)
+
+
 def eos_ids(generation_config: GenerationConfig) -> list[int]:
     """The eos ids of a generation config as a list (``eos_token_id`` may be ``None``, an int or a list)."""
     eos = generation_config.eos_token_id
@@ -326,7 +347,7 @@ class SpeculativeGenerator:
         state = self._prefill(input_ids, attention_mask, target, stats)
         hooks = TimedHooks(self.hooks, stats)
         hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head,
-                                              state.projection))
+                                              state.projection, sampling_temperature(gen)))
         synced = should_sync(self.model, self.config.synced_gpus)
         while self._has_work(state, synced, stats):
             step_start = time.perf_counter()
@@ -347,8 +368,9 @@ class SpeculativeGenerator:
             self.table = self.table.to(device)
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+        with final_hidden_of(self.lm_head) as final:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]
         rows = torch.arange(batch, device=device)
         self._check_finite(logits, 0, rows)
@@ -365,8 +387,8 @@ class SpeculativeGenerator:
             prompt_ids=input_ids, pad_len=pad_len, target=target, eos=eos, max_new=max_new, completion=completion,
             logprobs=logprobs, done_len=torch.ones(batch, dtype=torch.long, device=device),
             accepted_at_depth=torch.zeros(self.heads.num_heads, dtype=torch.long, device=device), rows=rows,
-            root=root, hidden=out.hidden_states[-1][:, -1], kv=kv, uniforms=uniforms,
-            projection=self.heads.projection(self.lm_head))
+            root=root, hidden=final[-1][:, -1], kv=kv, uniforms=uniforms,
+            projection=self.heads.projection(self.lm_head, sampling_temperature(target.generation_config)))
         stats.forwards, stats.row_forwards, stats.tokens = 1, batch, batch
         self._keep(state, ~torch.isin(root, eos) & (state.done_len < max_new))
         return state
@@ -419,9 +441,10 @@ class SpeculativeGenerator:
     def _verify(self, state: DecodeState, tree: DraftTree) -> Verification:
         """One target forward over every row's root + tree, and one sample per node from its processed distribution."""
         kv, active, n = state.kv, state.rows.numel(), tree.size
-        out = self.model(input_ids=tree.tokens, position_ids=kv.lengths[:, None] + tree.depth,
-                         attention_mask=kv.tree_attention_mask(tree.ancestors, self.lm_head.weight.dtype),
-                         cache=kv.cache, use_cache=True, output_hidden_states=True)
+        with final_hidden_of(self.lm_head) as final:
+            out = self.model(input_ids=tree.tokens, position_ids=kv.lengths[:, None] + tree.depth,
+                             attention_mask=kv.tree_attention_mask(tree.ancestors, self.lm_head.weight.dtype),
+                             cache=kv.cache, use_cache=True)
         logits = out.logits  # [B, n, V]
         state.steps += 1
         self._check_finite(logits, state.steps, state.rows)
@@ -437,7 +460,7 @@ class SpeculativeGenerator:
         else:
             scores = state.target.scores(flat, None, None)
         sampled, probs = state.target.sample(scores, uniforms)
-        return Verification(logits, out.hidden_states[-1], sampled.view(active, n), probs.view(active, n, -1))
+        return Verification(logits, final[-1], sampled.view(active, n), probs.view(active, n, -1))
 
     def _commit(self, state: DecodeState, draft: Draft, verdict: Verification,
                 stats: GenerationStats) -> StepFeedback:

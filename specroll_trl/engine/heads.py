@@ -47,6 +47,9 @@ class SpeculativeHeadsConfig:
         draft_vocab_size: size of the draft vocabulary the heads propose from (0: the whole vocabulary).
         kind: ``"independent"`` (each head reads ``h_t``) or ``"path"`` (head ``k`` also reads the embeddings of
             the ``k`` path tokens before its target).
+        temperature: the sampling temperature of the target distributions the heads were fitted to (``None``:
+            unknown). The engine rescales the heads' logits by ``temperature / T`` for a run sampling at ``T``, so
+            their probabilities, which rank every tree node against the others, estimate acceptance at ``T``.
     """
 
     num_heads: int = 4
@@ -55,6 +58,7 @@ class SpeculativeHeadsConfig:
     num_layers: int = 1
     draft_vocab_size: int = 0
     kind: str = "independent"
+    temperature: float | None = None
 
     def __post_init__(self):
         if self.kind not in HEAD_KINDS:
@@ -66,6 +70,8 @@ class SpeculativeHeadsConfig:
         if HEAD_MODULES[self.kind].reads_path and self.num_layers != 1:
             raise ValueError(f"SpeculativeHeadsConfig.num_layers={self.num_layers}: path-conditioned heads have one "
                              "block each (num_layers=1); more layers exist for independent heads only")
+        if self.temperature is not None and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"SpeculativeHeadsConfig.temperature must be > 0 or None, got {self.temperature!r}")
         if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"SpeculativeHeadsConfig.draft_vocab_size must be an int in [0, vocab_size], got "
                              f"{self.draft_vocab_size!r}")
@@ -179,9 +185,14 @@ class SpeculativeHeads(nn.Module):
         if len(torch.unique(ids)) != len(ids):
             raise ValueError("draft vocabulary ids must be distinct")
 
-    def projection(self, lm_head: nn.Module) -> VocabProjection:
-        """The projection the heads' logits go through (the shared ``lm_head``, or its draft-vocabulary rows)."""
-        return VocabProjection(lm_head, self.draft_ids)
+    def projection(self, lm_head: nn.Module, temperature: float | None = None) -> VocabProjection:
+        """The projection the heads' logits go through (the shared ``lm_head``, or its draft-vocabulary rows); for
+        drafting at sampling ``temperature``, with the logits rescaled from the heads' own fitting temperature to
+        it (``None``, or heads of unknown temperature: as fitted)."""
+        scale = 1.0
+        if temperature is not None and self.config.temperature is not None:
+            scale = self.config.temperature / temperature
+        return VocabProjection(lm_head, self.draft_ids, scale)
 
     def check_compatible(self, model: nn.Module) -> None:
         """Raise ``ValueError`` naming the mismatch if these heads cannot run on ``model``."""
@@ -265,11 +276,11 @@ class SpeculativeHeads(nn.Module):
 
 class VocabProjection:
     """The heads' output projection: the target's ``lm_head`` weight (detached: head training never moves it), or
-    only its rows for a draft vocabulary. It reads the weight once, so build one per ``generate`` call or training
-    run: the policy's ``lm_head`` moves as it trains."""
+    only its rows for a draft vocabulary, times ``scale`` (a change of temperature). It reads the weight once, so
+    build one per ``generate`` call or training run: the policy's ``lm_head`` moves as it trains."""
 
-    def __init__(self, lm_head: nn.Module, draft_ids: torch.Tensor | None):
-        self.lm_head, self.draft_ids, self._inverse = lm_head, draft_ids, None
+    def __init__(self, lm_head: nn.Module, draft_ids: torch.Tensor | None, scale: float = 1.0):
+        self.lm_head, self.draft_ids, self.scale, self._inverse = lm_head, draft_ids, scale, None
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         self.partitioned = weight.numel() == 0  # DeepSpeed ZeRO-3 without gathering: only the module call works
         if draft_ids is not None and not self.partitioned:
@@ -279,8 +290,10 @@ class VocabProjection:
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         if self.partitioned:
             logits = self.lm_head(z)
-            return logits if self.draft_ids is None else logits.index_select(-1, self.draft_ids)
-        return F.linear(z, self.weight, self.bias)
+            logits = logits if self.draft_ids is None else logits.index_select(-1, self.draft_ids)
+        else:
+            logits = F.linear(z, self.weight, self.bias)
+        return logits if self.scale == 1.0 else logits * self.scale
 
     def target_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Target vocabulary ids of projection indices."""

@@ -37,6 +37,7 @@ class GenerationContext:
         projection: the heads' vocabulary projection. With a draft vocabulary, position ``j`` of the
             ``[B, H, V]`` log-probabilities ``adjust_logprobs`` sees is token ``projection.target_ids(j)``, and
             ``projection.index_of(ids)`` maps target ids there (``-1``: not in the draft vocabulary).
+        temperature: the call's sampling temperature (``None``: greedy); the projection drafts at it.
     """
 
     input_ids: torch.Tensor
@@ -44,6 +45,7 @@ class GenerationContext:
     num_heads: int
     lm_head: torch.nn.Module
     projection: VocabProjection | None = None
+    temperature: float | None = None
 
     def __post_init__(self):
         if self.projection is None:

@@ -17,9 +17,12 @@ import random
 import shutil
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
 from ..adapt.distill import (
     REPORT_FILE,
     HeadDistillConfig,
+    TokenStream,
     build_stream,
     distill_from_samples,
     measure_heads,
@@ -71,6 +74,22 @@ def sample_plan(model, tokenizer, folder: str | Path, config: HeadDistillConfig,
     return {name: sample_to_folder(model, plan[name], Path(folder) / name, tokenizer.pad_token_id, config.temperature,
                                    config.max_new_tokens, config.sample_batch_size, SAMPLE_SEEDS[name], progress)
             for name in ("heldout", "train")}
+
+
+STREAM_FIELDS = ("hidden", "ids", "anchor_ok", "seq_end", "top_ids", "top_probs")
+
+
+def cached_stream(model, pairs, temperature: float, topk: int, path: str | Path) -> TokenStream:
+    """``build_stream`` of ``pairs`` at ``temperature``, kept in ``path`` (safetensors) so studies that refit heads
+    many times pay the teacher-forced forward once."""
+    path = Path(path)
+    if path.is_file():
+        tensors = load_file(str(path))
+        return TokenStream(**{f: tensors[f] for f in STREAM_FIELDS})
+    stream = build_stream(model, pairs, temperature, topk, progress=True, desc=path.stem)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({f: getattr(stream, f).contiguous() for f in STREAM_FIELDS}, str(path))
+    return stream
 
 
 def shipped_folder(preset: str, kind: str = "path") -> Path:

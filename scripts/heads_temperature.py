@@ -1,0 +1,145 @@
+"""Heads for GRPO's own temperature on SmolLM2-135M-Instruct: which samples, targets and loss make heads accept at
+T=1.0 (TRL's default) without losing T=0.7, and how acceptance grows with data.
+
+Every variant is a path head set fitted by the shipped recipe (``onpolicy_heads.onpolicy_distill_config``) except
+what its name changes, and measured on the same held-out whole sequences (48 GSM8K-test chat prompts sampled at
+T=1.0 with T=1.0 targets, and the shipped T=0.7 ones with T=0.7 targets):
+
+  shipped        the package's heads: T=0.7 samples, T=0.7 targets, KL + CE (measured, not refitted)
+  s07-t10-kl     the shipped T=0.7 samples, targets at T=1.0, KL + CE
+  s07-t10-lk     the same plus the acceptance term -log sum min(p, q) (``accept_weight`` 1)
+  s10-t10-kl     the policy's own T=1.0 samples (``--train-shards`` shards of 64 prompts of the plan), T=1.0 targets
+  s10-t10-lk     the same plus the acceptance term
+  both-t10-kl    both sample sets, T=1.0 targets
+  both-t10-lk    the same plus the acceptance term
+
+``--curve``: the best variant's data cut to 50k, 100k, 200k anchors (whole sequences, the plan's order) and all.
+
+  python scripts/heads_temperature.py sample                 # the plan at T=1.0, resumable (about 1.5 h, 1 thread)
+  python scripts/heads_temperature.py fit --variants shipped s07-t10-kl s07-t10-lk
+
+Resumable: streams are cached in ``--work``; a variant whose folder holds a report is not refitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from specroll_trl.adapt.distill import (
+    REPORT_FILE,
+    TokenStream,
+    distill_on_streams,
+    format_hit_table,
+    measure_heads,
+    save_distilled,
+)
+from specroll_trl.adapt.samples import read_folder
+from specroll_trl.engine.heads import SpeculativeHeads
+from specroll_trl.experiments import onpolicy_heads, zoo
+
+T_LOW, T_HIGH = 0.7, 1.0
+CURVE_ANCHORS = (50_000, 100_000, 200_000)
+
+
+def concat_streams(streams: list[TokenStream]) -> TokenStream:
+    """One stream of several (sequence ends shifted by the tokens before them)."""
+    offsets, total = [], 0
+    for s in streams:
+        offsets.append(total)
+        total += len(s.ids)
+    return TokenStream(hidden=torch.cat([s.hidden for s in streams]), ids=torch.cat([s.ids for s in streams]),
+                       anchor_ok=torch.cat([s.anchor_ok for s in streams]),
+                       seq_end=torch.cat([s.seq_end + o for s, o in zip(streams, offsets)]),
+                       top_ids=torch.cat([s.top_ids for s in streams]),
+                       top_probs=torch.cat([s.top_probs for s in streams]))
+
+
+def first_anchors(stream: TokenStream, anchors: int) -> TokenStream:
+    """The stream's first whole sequences holding at least ``anchors`` anchors."""
+    cum = stream.anchor_ok.long().cumsum(0)
+    cut = int((cum >= anchors).nonzero()[0]) if int(cum[-1]) >= anchors else len(cum) - 1
+    end = int(stream.seq_end[cut])
+    return TokenStream(hidden=stream.hidden[:end], ids=stream.ids[:end], anchor_ok=stream.anchor_ok[:end],
+                       seq_end=stream.seq_end[:end], top_ids=stream.top_ids[:end], top_probs=stream.top_probs[:end])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["sample", "fit"])
+    parser.add_argument("--variants", nargs="*", default=["s07-t10-kl", "s07-t10-lk"])
+    parser.add_argument("--curve", default=None, help="a variant whose data is cut to the curve's anchor counts")
+    parser.add_argument("--train-shards", type=int, default=None, help="T=1.0 training shards to use (default: all)")
+    parser.add_argument("--work", default="runs/heads_t10")
+    parser.add_argument("--out", default="benchmarks/heads_temperature_smollm2.json")
+    args = parser.parse_args()
+
+    model, tokenizer = zoo.load_policy("smollm2-135m")
+    recipe = onpolicy_heads.onpolicy_distill_config()
+    work = Path(args.work)
+    high = dataclasses.replace(recipe, temperature=T_HIGH)
+    if args.what == "sample":
+        onpolicy_heads.sample_plan(model, tokenizer, work / "samples", high)
+        return
+
+    key = onpolicy_heads.policy_fingerprint(model)
+    shipped = onpolicy_heads.shipped_samples("smollm2-135m", key)
+    if shipped is None:
+        raise SystemExit("the package's T=0.7 samples do not match this policy")
+
+    def stream(name: str, pairs, temperature: float) -> TokenStream:
+        return onpolicy_heads.cached_stream(model, pairs, temperature, recipe.target_topk,
+                                            work / f"{name}.safetensors")
+
+    held_high = stream("heldout_s10_t10", read_folder(work / "samples" / "heldout", 1), T_HIGH)
+    held_low = stream("heldout_s07_t07", shipped["heldout"], T_LOW)
+    train = {"s07": lambda: stream("train_s07_t10", shipped["train"], T_HIGH)}
+    if (work / "samples" / "train").is_dir():
+        pairs = read_folder(work / "samples" / "train", args.train_shards)
+        train["s10"] = lambda: stream(f"train_s10_t10_{len(pairs)}", pairs, T_HIGH)
+        train["both"] = lambda: concat_streams([train["s10"](), train["s07"]()])
+
+    def measure(heads) -> dict:
+        return {f"heldout_t{t}": measure_heads(heads, model, s, recipe.hit_ks)
+                for t, s in ((T_HIGH, held_high), (T_LOW, held_low))}
+
+    out = Path(args.out)
+    results = {r["variant"]: r for r in (json.loads(out.read_text()) if out.is_file() else [])}
+
+    def fit(variant: str, data: TokenStream, config) -> None:
+        folder = work / "heads" / variant
+        if (folder / REPORT_FILE).is_file():
+            results[variant] = json.loads((folder / REPORT_FILE).read_text())
+            return
+        heads, report = distill_on_streams(model, data, held_high, config, fp16_weights=True)
+        report.update(variant=variant, samples=variant.split("-")[0], target_temperature=config.temperature,
+                      accept_weight=config.accept_weight, **measure(heads))
+        save_distilled(heads, report, folder)
+        results[variant] = report
+        print(variant, format_hit_table(report["hit_rates"], report["target_mass"]), sep="\n", flush=True)
+        out.write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
+
+    if "shipped" in args.variants:
+        heads = SpeculativeHeads.from_pretrained(onpolicy_heads.shipped_folder("smollm2-135m", "path"))
+        results["shipped"] = {"variant": "shipped", "samples": "s07", "target_temperature": T_LOW,
+                              "accept_weight": 0.0, **measure(heads)}
+    for variant in (v for v in args.variants if v != "shipped"):
+        samples, _, loss = variant.split("-")
+        fit(variant, train[samples](), dataclasses.replace(high, accept_weight=1.0 if loss == "lk" else 0.0))
+    if args.curve:
+        samples, _, loss = args.curve.split("-")
+        data = train[samples]()
+        for anchors in CURVE_ANCHORS:
+            if anchors < int(data.anchor_ok.sum()):
+                fit(f"{args.curve}@{anchors // 1000}k", first_anchors(data, anchors),
+                    dataclasses.replace(high, accept_weight=1.0 if loss == "lk" else 0.0))
+    out.write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -49,7 +49,7 @@ def main() -> None:
         for task in ("arithmetic", "gsm8k"):
             print(f"== generation + e2e: {preset} / {task}", flush=True)
             records = bench_generation(preset, batch_sizes=(1, 8), repeats=1 if q else 3,
-                                       max_new_tokens=96 if q else 192, capacity=None, task=task, progress=False)
+                                       max_new_tokens=96 if q else 192, task=task, progress=False)
             for r in records:
                 if r["mode"] == "spec":
                     gen_rows.append({**r, "task": task})

@@ -185,8 +185,8 @@ def _bench(args) -> int:
 
     records = bench_generation(args.model, batch_sizes=tuple(run["batch_sizes"]), repeats=run["repeats"],
                                max_new_tokens=run["max_new_tokens"], temperatures=tuple(run["temperatures"]),
-                               max_nodes=args.max_nodes, capacity=args.capacity, dtype=getattr(torch, args.dtype),
-                               device=args.device)
+                               max_nodes=args.max_nodes, fixed_nodes=tuple(args.fixed_nodes),
+                               dtype=getattr(torch, args.dtype), device=args.device)
     print(format_table(records))
     if args.out:
         write_results(records, args.out)
@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
     gen.add_argument("--temperatures", type=float, nargs="+", default=None, help=says("temperatures"))
     gen.add_argument("--max-nodes", type=int, default=16, help="N_max, draft nodes per row per step")
-    gen.add_argument("--capacity", type=int, default=64, help="C_hw of the spec_fixed mode's node-budget formula")
+    gen.add_argument("--fixed-nodes", type=int, nargs="*", default=[0, 2, 4, 8],
+                     help="draft nodes per row of the fixed-tree modes (fixed_N; 0: the loop without drafting)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     gen.add_argument("--device", default="cpu", help="device (cpu, cuda)")
 

@@ -85,14 +85,14 @@ def test_bench_generation_quick_writes_spec_records(nano, tmp_path):
                  "--max-new-tokens", "24", "--temperatures", "1.0", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
     assert {(r["batch_size"], r["mode"]) for r in records} == {
-        (1, "spec"), (1, "spec_fixed"), (1, "compaction_only"), (1, "assisted_prompt_lookup"), (4, "spec"),
-        (4, "spec_fixed"), (4, "compaction_only")}
+        (1, "spec"), (1, "fixed_0"), (1, "fixed_2"), (1, "fixed_4"), (1, "fixed_8"), (1, "assisted_prompt_lookup"),
+        (4, "spec"), (4, "fixed_0"), (4, "fixed_2"), (4, "fixed_4"), (4, "fixed_8")}
     for r in records:
         assert {"batch_size", "mode", "vanilla_s", "spec_s", "speedup", "per_token_speedup", "tau",
                 "accept_per_head", "tokens_per_s", "temperature"} <= set(r)
         assert r["speedup"] > 0 and r["tokens_per_s"] > 0 and r["temperature"] == 1.0
-    assert {r["capacity"] for r in records if r["mode"] == "spec_fixed"} == {64}  # the fixed formula's C_hw
-    assert all(r["capacity"] is None for r in records if r["mode"] == "spec")  # the online budget
+    fixed = {r["mode"]: r["nodes_per_row"] for r in records if r["mode"].startswith("fixed_") and r["batch_size"] == 4}
+    assert fixed["fixed_0"] == 0.0 and 0 < fixed["fixed_2"] <= 2 and fixed["fixed_4"] > fixed["fixed_2"]
     assert out.with_suffix(".png").is_file()
 
 

@@ -87,8 +87,12 @@ def test_heads_read_the_targets_final_hidden_state_without_output_hidden_states(
     assert torch.equal(seen[-1], reference)
     hook = FirstStepHidden()
     gc = GenerationConfig(do_sample=False, max_new_tokens=4, eos_token_id=1, pad_token_id=0)
+    asked = []
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: asked.append(kwargs.get("output_hidden_states")) or forward(*args, **kwargs)
     SpeculativeGenerator(model, noisy(model), gc, hooks=[hook], max_nodes=4).generate(ids, mask)
     torch.testing.assert_close(hook.hidden, reference[:, -1], rtol=1e-5, atol=1e-5)
+    assert asked and not any(asked)  # no forward kept every layer's states
 
 
 # --------------------------------------------------------------------------------------- the real default policy

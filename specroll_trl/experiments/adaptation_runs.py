@@ -115,7 +115,7 @@ def speed_at_end(arm_folder: str | Path, batch_size: int = 8, repeats: int = 3, 
     with torch.no_grad():
         for engine in engines.values():
             engine.generate(ids[:, -64:], mask[:, -64:], max_new_tokens=8)  # warm-up, untimed
-        records = _alternate(model, engines, ids, mask, gc, repeats)
+        records = _alternate(model, engines, [(ids, mask)] * repeats, gc)
     for r in records:
         r.update(arm=folder.name, checkpoint=checkpoint.name, batch_size=batch_size, temperature=temperature,
                  max_new_tokens=max_new_tokens)

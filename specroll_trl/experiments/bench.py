@@ -43,54 +43,63 @@ def _vanilla(model, ids, mask, gc, **generate_kwargs) -> tuple[float, int]:
 
 def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64), repeats: int = 3,
                      max_new_tokens: int = 256, temperatures: Sequence[float] = (0.7, 1.0), max_nodes: int = 16,
-                     capacity: int = 64, task: str | None = None, dtype: torch.dtype = torch.float32,
-                     device: str = "cpu", progress: bool = True) -> list[dict]:
+                     fixed_nodes: Sequence[int] = (0, 2, 4, 8), task: str | None = None,
+                     dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = True) -> list[dict]:
     """One record per (temperature, batch size, mode): TRL's ``generate`` against the engine with the online node
-    budget (``spec``), with the fixed ``C_hw = capacity`` formula (``spec_fixed``), without drafting
-    (``compaction_only``) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch 1). Runs
-    alternate, same prompts and seeds; records hold medians. Each engine keeps its budget across calls, as in a
-    training run, after one untimed warm-up call per batch size."""
+    budget (``spec``), with a fixed number of draft nodes per row (``fixed_N``; ``fixed_0`` is the engine's loop
+    without drafting) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch 1). Each repeat
+    is one alternating round on its own prompts (a pretrained preset's: GSM8K-test chat prompts from row 1000 on,
+    never used for its heads), the same prompts and seed for every mode; records hold medians and the spread over
+    repeats. Each engine keeps its budget across calls, as in a training run, after one untimed warm-up call per
+    batch size."""
     model, tokenizer = load_policy(model_name, progress=progress, dtype=dtype)  # may build it: outside no_grad
     heads = load_heads(model_name, progress=progress)
     model, heads = model.to(device), heads.to(device=device, dtype=dtype)
     task = task or preset_task(model_name)
-    chat = model_name in PRETRAINED
     records = []
     for temperature in temperatures:
         gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)
-        modes = {
-            "spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes),
-            "spec_fixed": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, capacity=capacity),
-            "compaction_only": SpeculativeGenerator(model, heads, gc, max_nodes=0, capacity=1),
-        }
+        modes = {"spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes)}
+        modes.update({f"fixed_{n}": SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9)
+                      for n in fixed_nodes})
         for batch_size in batch_sizes:
-            prompts = task_prompt_ids(tokenizer, task, batch_size, seed=4242 + batch_size, conversational=chat)
-            ids, mask = (t.to(device) for t in left_pad(prompts, tokenizer.pad_token_id))
+            inputs = [tuple(t.to(device) for t in left_pad(prompts, tokenizer.pad_token_id))
+                      for prompts in _prompt_sets(model_name, tokenizer, task, batch_size, repeats)]
             wanted = {**modes, **({"assisted_prompt_lookup": None} if batch_size == 1 else {})}
             with torch.no_grad():
                 for engine in modes.values():
+                    ids, mask = inputs[0]
                     engine.generate(ids[:, -64:], mask[:, -64:], max_new_tokens=8)  # warm-up, untimed
-                records += _alternate(model, wanted, ids, mask, gc, repeats)
+                records += _alternate(model, wanted, inputs, gc)
             for r in records[-len(wanted):]:
                 r.update(batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
-                         model=model_name, task=task, capacity=capacity if r["mode"] == "spec_fixed" else None,
-                         dtype=str(dtype).removeprefix("torch."), device=device)
+                         model=model_name, task=task, dtype=str(dtype).removeprefix("torch."), device=device)
                 if progress:
                     print(f"T={temperature} batch {batch_size:>3} {r['mode']:<24} vanilla {r['vanilla_s']:7.2f}s  "
-                          f"engine {r['spec_s']:7.2f}s  speedup {r['speedup']:.2f}x  per token "
-                          f"{r['per_token_speedup']:.2f}x  tau {r['tau'] or float('nan'):.2f}  nodes "
-                          f"{r['nodes_per_row']:.1f}", flush=True)
+                          f"engine {r['spec_s']:7.2f}s  per token {r['per_token_speedup']:.2f}x "
+                          f"[{min(r['per_token_speedups']):.2f}-{max(r['per_token_speedups']):.2f}]  "
+                          f"tau {r['tau'] or float('nan'):.2f}  nodes {r['nodes_per_row']:.1f}", flush=True)
     return records
 
 
-def _alternate(model, engines: dict, ids, mask, gc, repeats: int) -> list[dict]:
-    """``repeats`` rounds, each of one vanilla ``generate`` then every engine (``None``: HF's prompt-lookup assisted
-    decoding) on the same prompts and seed; one record per engine, with medians. All sample the same distribution
-    but not the same draws, so completion lengths differ: ``per_token_speedup`` compares seconds per generated
-    token as well as ``speedup`` whole calls."""
+def _prompt_sets(model_name: str, tokenizer, task: str, batch_size: int, repeats: int) -> list[list[list[int]]]:
+    """One prompt set of ``batch_size`` per repeat, all different."""
+    if model_name in PRETRAINED:
+        from .heads_bench import BENCH_ROW, bench_prompts
+
+        return [bench_prompts(tokenizer, batch_size, start=BENCH_ROW + r * batch_size) for r in range(repeats)]
+    return [task_prompt_ids(tokenizer, task, batch_size, seed=4242 + batch_size + 1000 * r) for r in range(repeats)]
+
+
+def _alternate(model, engines: dict, inputs: list, gc) -> list[dict]:
+    """One round per ``(ids, mask)`` of ``inputs``, each of one vanilla ``generate`` then every engine (``None``:
+    HF's prompt-lookup assisted decoding) on those prompts and the same seed; one record per engine, with medians
+    over rounds (``per_token_speedups``: each round's). All sample the same distribution but not the same draws,
+    so completion lengths differ: ``per_token_speedup`` compares seconds per generated token as well as
+    ``speedup`` whole calls."""
     vanilla_s, vanilla_tokens = [], []
     runs = {mode: {"s": [], "tokens": [], "tau": [], "accept": [], "nodes": []} for mode in engines}
-    for r in range(repeats):
+    for r, (ids, mask) in enumerate(inputs):
         torch.manual_seed(r)
         seconds, n = _vanilla(model, ids, mask, gc)
         vanilla_s.append(seconds)
@@ -109,19 +118,21 @@ def _alternate(model, engines: dict, ids, mask, gc, repeats: int) -> list[dict]:
             run["s"].append(s)
             run["tokens"].append(n)
     v_med = statistics.median(vanilla_s)
-    v_per_token = sum(vanilla_s) / max(1, sum(vanilla_tokens))
     records = []
     for mode, run in runs.items():
         s_med = statistics.median(run["s"])
         accepts = run["accept"]
+        per_round = [(vs / max(1, vn)) / (s / max(1, n))
+                     for vs, vn, s, n in zip(vanilla_s, vanilla_tokens, run["s"], run["tokens"])]
         records.append({
             "mode": mode, "vanilla_s": v_med, "spec_s": s_med, "speedup": v_med / s_med,
-            "per_token_speedup": v_per_token / (sum(run["s"]) / max(1, sum(run["tokens"]))),
+            "per_token_speedup": statistics.median(per_round), "per_token_speedups": per_round,
             "tau": statistics.median(run["tau"]) if run["tau"] else None,
             "accept_per_head": [statistics.mean(a[d] for a in accepts) for d in range(len(accepts[0]))]
             if accepts else [],
-            "tokens_per_s": statistics.median(run["tokens"]) / s_med, "vanilla_tokens_per_s": 1 / v_per_token,
-            "nodes_per_row": statistics.mean(run["nodes"]) if run["nodes"] else 0.0, "repeats": repeats})
+            "tokens_per_s": statistics.median(run["tokens"]) / s_med,
+            "vanilla_tokens_per_s": sum(vanilla_tokens) / sum(vanilla_s),
+            "nodes_per_row": statistics.mean(run["nodes"]) if run["nodes"] else 0.0, "repeats": len(inputs)})
     return records
 
 

@@ -13,7 +13,7 @@ T=1.0 with T=1.0 targets, and the shipped T=0.7 ones with T=0.7 targets):
   both-t10-kl    both sample sets, T=1.0 targets
   both-t10-lk    the same plus the acceptance term
 
-``--curve``: the best variant's data cut to 50k, 100k, 200k anchors (whole sequences, the plan's order) and all.
+``--curve``: the variant's data cut to 50k, 100k, 200k anchors (whole sequences drawn at random) and all.
 
   python scripts/heads_temperature.py sample                 # the plan at T=1.0, resumable (about 1.5 h, 1 thread)
   python scripts/heads_temperature.py fit --variants shipped s07-t10-kl s07-t10-lk
@@ -59,13 +59,19 @@ def concat_streams(streams: list[TokenStream]) -> TokenStream:
                        top_probs=torch.cat([s.top_probs for s in streams]))
 
 
-def first_anchors(stream: TokenStream, anchors: int) -> TokenStream:
-    """The stream's first whole sequences holding at least ``anchors`` anchors."""
-    cum = stream.anchor_ok.long().cumsum(0)
-    cut = int((cum >= anchors).nonzero()[0]) if int(cum[-1]) >= anchors else len(cum) - 1
-    end = int(stream.seq_end[cut])
-    return TokenStream(hidden=stream.hidden[:end], ids=stream.ids[:end], anchor_ok=stream.anchor_ok[:end],
-                       seq_end=stream.seq_end[:end], top_ids=stream.top_ids[:end], top_probs=stream.top_probs[:end])
+def sequences_for(stream: TokenStream, anchors: int, seed: int = 0) -> TokenStream:
+    """Whole sequences of ``stream``, drawn in a seeded random order (the stream lists them by length), until they
+    hold at least ``anchors`` anchors."""
+    ends, sequence = torch.unique(stream.seq_end, return_inverse=True)
+    order = torch.randperm(len(ends), generator=torch.Generator().manual_seed(seed))
+    per_sequence = torch.zeros(len(ends), dtype=torch.long).index_add_(0, sequence, stream.anchor_ok.long())
+    count = int((per_sequence[order].cumsum(0) < anchors).sum()) + 1
+    keep = torch.isin(sequence, order[:count])
+    lengths = torch.bincount(sequence[keep], minlength=len(ends))
+    lengths = lengths[lengths > 0]
+    return TokenStream(hidden=stream.hidden[keep], ids=stream.ids[keep], anchor_ok=stream.anchor_ok[keep],
+                       seq_end=torch.repeat_interleave(lengths.cumsum(0), lengths), top_ids=stream.top_ids[keep],
+                       top_probs=stream.top_probs[keep])
 
 
 def main() -> None:
@@ -73,6 +79,7 @@ def main() -> None:
     parser.add_argument("what", choices=["sample", "fit"])
     parser.add_argument("--variants", nargs="*", default=["s07-t10-kl", "s07-t10-lk"])
     parser.add_argument("--curve", default=None, help="a variant whose data is cut to the curve's anchor counts")
+    parser.add_argument("--curve-anchors", type=int, nargs="+", default=list(CURVE_ANCHORS))
     parser.add_argument("--train-shards", type=int, default=None, help="T=1.0 training shards to use (default: all)")
     parser.add_argument("--work", default="runs/heads_t10")
     parser.add_argument("--out", default="benchmarks/heads_temperature_smollm2.json")
@@ -133,9 +140,9 @@ def main() -> None:
     if args.curve:
         samples, _, loss = args.curve.split("-")
         data = train[samples]()
-        for anchors in CURVE_ANCHORS:
+        for anchors in args.curve_anchors:
             if anchors < int(data.anchor_ok.sum()):
-                fit(f"{args.curve}@{anchors // 1000}k", first_anchors(data, anchors),
+                fit(f"{args.curve}@{anchors // 1000}k", sequences_for(data, anchors),
                     dataclasses.replace(high, accept_weight=1.0 if loss == "lk" else 0.0))
     out.write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
     print(f"wrote {out}")

@@ -51,6 +51,43 @@ def test_online_budget_grows_trees_when_verification_is_nearly_free():
     assert abs(budget.calibration - 1.0) < 0.05  # realised acceptance matched the heads' own estimate
 
 
+def _interpolated(points: dict[int, float], max_nodes: int = 16) -> list[float]:
+    xs = sorted(points)
+    return [next(points[a] + (points[b] - points[a]) * (n - a) / (b - a) for a, b in zip(xs, xs[1:]) if a <= n <= b)
+            for n in range(max_nodes + 1)]
+
+
+# step cost against draft nodes per row, relative to a plain step, as measured for SmolLM2 on 2 CPU cores
+COST_1_ROW = _interpolated({0: 1.0, 1: 1.2, 2: 1.28, 4: 1.45, 8: 1.75, 16: 2.1})
+COST_8_ROWS = _interpolated({0: 1.0, 1: 1.35, 2: 1.45, 4: 1.79, 8: 2.41, 16: 3.42})
+# the realised acceptance of a tree's j-th best node, at T=1.0 and T=0.7, and what heads fitted at another
+# temperature believe: about right for the first node, far too sure of the deep ones
+ACCEPT_T10 = [0.38, 0.07, 0.05, 0.03, 0.02, 0.02, 0.015, 0.015] + [0.01] * 8 + [0.005] * 48
+ACCEPT_T07 = [0.55, 0.15, 0.08, 0.06, 0.05, 0.04, 0.03, 0.03] + [0.02] * 8 + [0.005] * 48
+OVERRATED = [0.55, 0.45, 0.4, 0.35, 0.3, 0.3, 0.25, 0.25] + [0.2] * 8 + [0.1] * 48
+
+
+@pytest.mark.parametrize("rows, cost, accept", [(1, COST_1_ROW, ACCEPT_T10), (1, COST_1_ROW, ACCEPT_T07),
+                                                (8, COST_8_ROWS, ACCEPT_T07)])
+def test_online_budget_finds_the_best_width_when_heads_overrate_deep_nodes(rows, cost, accept):
+    """Acceptance is priced width by width: one realised / predicted ratio for all widths (what the budget used to
+    do) let heads that overrate deep nodes pull it to 4-16 nodes where 1-2 pay, at 0.78-0.88x of the best rate."""
+    rates = [(1 + sum(accept[:n])) / cost[n] for n in range(17)]
+    best = max(range(17), key=rates.__getitem__)
+    budget = OnlineBudget(max_nodes=16, seed=0)
+    scores = torch.tensor(OVERRATED, dtype=torch.float64).log()[None].expand(rows, -1)
+    tokens = seconds = 0.0
+    chosen = []
+    for step in range(300):
+        n = budget.choose(rows)
+        budget.observe(rows, n, cost[n], sum(accept[:n]), scores if n else None)
+        chosen.append(n)
+        if step >= 100:
+            tokens, seconds = tokens + 1 + sum(accept[:n]), seconds + cost[n]
+    assert tokens / seconds >= 0.95 * rates[best]
+    assert sorted(chosen[-100:])[50] == best
+
+
 def test_emitted_tokens_do_not_depend_on_the_budget(nano):
     """One uniform per completion position: the tree (and so the budget) changes speed, not the sample."""
     model, _, heads = nano

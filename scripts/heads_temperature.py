@@ -7,16 +7,15 @@ T=1.0 with T=1.0 targets, and the shipped T=0.7 ones with T=0.7 targets):
 
   shipped        the package's heads: T=0.7 samples, T=0.7 targets, KL + CE (measured, not refitted)
   s07-t10-kl     the shipped T=0.7 samples, targets at T=1.0, KL + CE
-  s07-t10-lk     the same plus the acceptance term -log sum min(p, q) (``accept_weight`` 1)
+  s07-t10-lk     the same plus an LK-style acceptance term -log sum min(p, q): measured once (commit eb0f6a2),
+                 no better than KL + CE, deleted
   s10-t10-kl     the policy's own T=1.0 samples (``--train-shards`` shards of 64 prompts of the plan), T=1.0 targets
-  s10-t10-lk     the same plus the acceptance term
   both-t10-kl    both sample sets, T=1.0 targets
-  both-t10-lk    the same plus the acceptance term
 
 ``--curve``: the variant's data cut to 50k, 100k, 200k anchors (whole sequences drawn at random) and all.
 
   python scripts/heads_temperature.py sample                 # the plan at T=1.0, resumable (about 1.5 h, 1 thread)
-  python scripts/heads_temperature.py fit --variants shipped s07-t10-kl s07-t10-lk
+  python scripts/heads_temperature.py fit --curve s10-t10-kl   # every variant, then the curve
 
 Resumable: streams are cached in ``--work``; a variant whose folder holds a report is not refitted.
 """
@@ -77,7 +76,7 @@ def sequences_for(stream: TokenStream, anchors: int, seed: int = 0) -> TokenStre
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["sample", "fit"])
-    parser.add_argument("--variants", nargs="*", default=["s07-t10-kl", "s07-t10-lk"])
+    parser.add_argument("--variants", nargs="*", default=["shipped", "s07-t10-kl", "s10-t10-kl", "both-t10-kl"])
     parser.add_argument("--curve", default=None, help="a variant whose data is cut to the curve's anchor counts")
     parser.add_argument("--curve-anchors", type=int, nargs="+", default=list(CURVE_ANCHORS))
     parser.add_argument("--train-shards", type=int, default=None, help="T=1.0 training shards to use (default: all)")
@@ -124,7 +123,7 @@ def main() -> None:
             return
         heads, report = distill_on_streams(model, data, held_high, config, fp16_weights=True)
         report.update(variant=variant, samples=variant.split("-")[0], target_temperature=config.temperature,
-                      accept_weight=config.accept_weight, **measure(heads))
+                      **measure(heads))
         save_distilled(heads, report, folder)
         results[variant] = report
         print(variant, format_hit_table(report["hit_rates"], report["target_mass"]), sep="\n", flush=True)
@@ -132,18 +131,14 @@ def main() -> None:
 
     if "shipped" in args.variants:
         heads = SpeculativeHeads.from_pretrained(onpolicy_heads.shipped_folder("smollm2-135m", "path"))
-        results["shipped"] = {"variant": "shipped", "samples": "s07", "target_temperature": T_LOW,
-                              "accept_weight": 0.0, **measure(heads)}
+        results["shipped"] = {"variant": "shipped", "samples": "s07", "target_temperature": T_LOW, **measure(heads)}
     for variant in (v for v in args.variants if v != "shipped"):
-        samples, _, loss = variant.split("-")
-        fit(variant, train[samples](), dataclasses.replace(high, accept_weight=1.0 if loss == "lk" else 0.0))
+        fit(variant, train[variant.split("-")[0]](), high)
     if args.curve:
-        samples, _, loss = args.curve.split("-")
-        data = train[samples]()
+        data = train[args.curve.split("-")[0]]()
         for anchors in args.curve_anchors:
             if anchors < int(data.anchor_ok.sum()):
-                fit(f"{args.curve}@{anchors // 1000}k", sequences_for(data, anchors),
-                    dataclasses.replace(high, accept_weight=1.0 if loss == "lk" else 0.0))
+                fit(f"{args.curve}@{anchors // 1000}k", sequences_for(data, anchors), high)
     out.write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
     print(f"wrote {out}")
 

@@ -52,8 +52,6 @@ class HeadDistillConfig:
     lr: float = field(default=1e-2, metadata={"help": "Adam learning rate."})
     kl_weight: float = field(default=1.0, metadata={"help": "weight of ``KL(p || q_k)``."})
     nll_weight: float = field(default=1.0, metadata={"help": "weight of cross-entropy on the realised token."})
-    accept_weight: float = field(default=0.0, metadata={
-        "help": "weight of the acceptance term ``-log sum_v min(p_v, q_v)`` (LK-style; 0: off)."})
     max_seconds: float | None = field(
         default=None, metadata={"help": "stop training early after this many seconds (``None``: no limit)."})
     eval_every: int = field(default=0, metadata={
@@ -89,7 +87,7 @@ class HeadDistillConfig:
             raise ValueError(f"eval_every must be >= 0 and patience >= 1, got {self.eval_every}, {self.patience}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
-        weights = {name: getattr(self, name) for name in ("kl_weight", "nll_weight", "accept_weight")}
+        weights = {name: getattr(self, name) for name in ("kl_weight", "nll_weight")}
         if any(w < 0 for w in weights.values()) or not any(weights.values()):
             raise ValueError(f"loss weights must be >= 0 and not all zero, got {weights}")
 
@@ -209,7 +207,7 @@ def head_losses(heads: SpeculativeHeads, projection: VocabProjection, stream: To
     """Per-head fit loss (:func:`records.head_fit_loss`, weighted as ``config`` says) of ``anchors`` of ``stream``."""
     weight = projection.lm_head.weight
     records = stream.records(anchors, heads.num_heads).to(weight.device, next(heads.parameters()).dtype)
-    return head_fit_loss(heads, projection, records, embed, config.kl_weight, config.nll_weight, config.accept_weight)
+    return head_fit_loss(heads, projection, records, embed, config.kl_weight, config.nll_weight)
 
 
 @torch.no_grad()

@@ -51,11 +51,9 @@ def record_states(heads, records: HeadRecords, embed=None) -> torch.Tensor:
 
 
 def head_fit_loss(heads, projection: VocabProjection, records: HeadRecords, embed=None, kl_weight: float = 1.0,
-                  nll_weight: float = 1.0, accept_weight: float = 0.0) -> torch.Tensor:
-    """Per head (``[H]``), the mean over valid anchors of ``kl_weight * KL(p || q) + nll_weight * CE(x_{t+1+k})
-    + accept_weight * -log sum_v min(p_v, q_v)``: ``p`` the target's top-K renormalised within the heads'
-    vocabulary, ``q`` the head's distribution over it. The last term (LK-style) is the log of the acceptance a
-    draft sampled from ``q`` would get: it aims at acceptance itself where KL spreads ``q`` over all of ``p``."""
+                  nll_weight: float = 1.0) -> torch.Tensor:
+    """Per head (``[H]``), the mean over valid anchors of ``kl_weight * KL(p || q) + nll_weight * CE(x_{t+1+k})``:
+    ``p`` the target's top-K renormalised within the heads' vocabulary, ``q`` the head's distribution over it."""
     logq = torch.log_softmax(projection(record_states(heads, records, embed)).float(), dim=-1)  # [N, H, V]
     index = projection.index_of(records.target_ids)
     p = records.target_probs * (index >= 0)
@@ -63,9 +61,5 @@ def head_fit_loss(heads, projection: VocabProjection, records: HeadRecords, embe
     kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, index.clamp(min=0)))).sum(-1)
     realised = projection.index_of(records.tokens)
     nll = -logq.gather(-1, realised.clamp(min=0)[..., None]).squeeze(-1) * (realised >= 0)
-    loss = kl_weight * kl + nll_weight * nll
-    if accept_weight:
-        overlap = torch.minimum(p, logq.gather(-1, index.clamp(min=0)).exp() * (index >= 0)).sum(-1)
-        loss = loss - accept_weight * overlap.clamp(min=1e-6).log()
     valid = records.valid.float()
-    return (loss * valid).sum(0) / valid.sum(0).clamp(min=1)
+    return ((kl_weight * kl + nll_weight * nll) * valid).sum(0) / valid.sum(0).clamp(min=1)

@@ -9,8 +9,9 @@
   ``N`` path scores of the tree (the heads' own estimate of each node's acceptance, summed) and ``k_N`` the observed
   ratio of realised to predicted accepted nodes at width ``N`` (or the nearest width drafted);
 * the cost of a width already measured is mostly its own mean step time, the fit filling in the others;
-* each step takes ``argmax_N g(N) / t(B, N)`` (committed tokens per second), and now and then a neighbour of it,
-  so that the cost of other widths keeps being measured.
+* each step takes ``argmax_N g(N) / t(B, N)`` (committed tokens per second), and now and then a neighbour of it or
+  a plain step, so that the cost of other widths keeps being measured; the second step of every batch-size bucket
+  is a plain one (``N = 0``), the anchor of its costs.
 
 ``FixedBudget`` is the formula of the method's paper, ``N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)``, for a
 user-set hardware capacity ``C_hw``. Either way the budget changes speed, never what is emitted.
@@ -120,10 +121,13 @@ class OnlineBudget(NodeBudget):
     def choose(self, active_rows: int) -> int:
         if active_rows <= 0:
             return 0
+        measured = self.width_seconds.get(self._bucket(active_rows))
+        if measured is not None and measured[0, 0] == 0:
+            return 0  # a plain step anchors the cost model: without one, every width looks as dear as the first tried
         rate = (1.0 + self.accepted()) / self.cost(active_rows)
         best = int(rate.argmax())
         if self.rng.random() < self.explore:
-            best = self.rng.choice([max(0, best // 2), min(self.max_nodes, max(1, 2 * best))])
+            best = self.rng.choice([0, max(0, best // 2), min(self.max_nodes, max(1, 2 * best))])
         return best
 
     def observe(self, active_rows, num_nodes, seconds, accepted, path_scores):

@@ -67,9 +67,6 @@ class SpeculativeHeadsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SpeculativeHeadsConfig.{name} must be a positive int, got {value!r}")
-        if HEAD_MODULES[self.kind].reads_path and self.num_layers != 1:
-            raise ValueError(f"SpeculativeHeadsConfig.num_layers={self.num_layers}: path-conditioned heads have one "
-                             "block each (num_layers=1); more layers exist for independent heads only")
         if self.temperature is not None and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
             raise ValueError(f"SpeculativeHeadsConfig.temperature must be > 0 or None, got {self.temperature!r}")
         if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
@@ -123,6 +120,9 @@ class PathConditionedHead(nn.Module):
 
     @classmethod
     def for_depth(cls, config: SpeculativeHeadsConfig, depth: int) -> PathConditionedHead:
+        if config.num_layers != 1:
+            raise ValueError(f"SpeculativeHeadsConfig.num_layers={config.num_layers}: path-conditioned heads have one "
+                             "block each (num_layers=1); more layers exist for independent heads only")
         return cls(config.hidden_size, depth)
 
     def forward(self, hidden: torch.Tensor, path: torch.Tensor | None = None) -> torch.Tensor:

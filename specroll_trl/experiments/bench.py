@@ -55,7 +55,8 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
     model, tokenizer = load_policy(model_name, progress=progress, dtype=dtype)  # may build it: outside no_grad
     heads = load_heads(model_name, progress=progress)
     model, heads = model.to(device), heads.to(device=device, dtype=dtype)
-    task = task or preset_task(model_name)
+    # a pretrained preset runs the benches' GSM8K-test chat prompts (_prompt_sets), whatever its training task
+    task = "gsm8k-test" if model_name in PRETRAINED else task or preset_task(model_name)
     records = []
     for temperature in temperatures:
         gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)

@@ -120,6 +120,11 @@ def main(argv=None) -> int:
         print(json.dumps(run_child(args)), flush=True)
         return 0
 
+    from specroll_trl.experiments import zoo
+
+    # built here, once: in an empty SPECROLL_HOME a child would otherwise count the build in its peak
+    zoo.resolve_policy(args.preset)
+    zoo.build_heads(args.preset)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     common = ["--preset", args.preset, "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
               "--max-nodes", str(args.max_nodes), "--seed", str(args.seed), "--temperature", str(args.temperature),

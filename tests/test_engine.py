@@ -656,6 +656,43 @@ def test_grown_tree_is_the_best_closed_tree_of_its_beam():
                     assert torch.allclose(z[b, d], hidden[b] + d + 1)
 
 
+def test_a_tree_of_fewer_nodes_than_heads_runs_only_the_heads_it_can_reach():
+    """``N`` nodes closed under parent are at most ``N`` deep, so growing stops at depth ``N``: the tree is the one
+    the full-depth beam picks (deep heads that propose near-certain tokens included), and ``along`` marks the heads
+    never run as not proposed."""
+    torch.manual_seed(3)
+    batch, vocab, dim, heads_n, k = 6, 20, 8, 4, 3
+    table = torch.randn(heads_n, dim, vocab)
+    embed = torch.nn.Embedding(vocab, dim)
+
+    def head_step(depth, hidden, path, path_tokens, calls):
+        calls.append(depth)
+        logits = path[:, :, -1] @ table[depth - 1] + hidden @ table[depth - 1]
+        if depth > 2:  # deep heads all but certain: their children score just below their parents
+            logits = logits * 50
+        return hidden + depth, logits.log_softmax(-1), lambda index: index
+
+    root, hidden = torch.randint(vocab, (batch,)), torch.randn(batch, dim)
+    for nodes in (1, 2, 3):
+        cut, full = [], []
+        with torch.no_grad():
+            grown = grow_tree(root, hidden, lambda *a: head_step(*a, cut), embed, heads_n, k, nodes)
+            wide = grow_tree(root, hidden, lambda *a: head_step(*a, full), embed, heads_n, k, 16)
+        assert cut == list(range(1, nodes + 1)) and full == list(range(1, heads_n + 1))
+        assert int(grown.tree.depth.max()) <= nodes
+        # the same nodes as the best `nodes` of every candidate the full beam of that width would score
+        with torch.no_grad():
+            reference = grow_tree(root, hidden, lambda *a: head_step(*a, []), embed, heads_n, k, nodes + heads_n)
+        ref_best = reference.tree.path_scores.topk(nodes, dim=-1).values
+        assert torch.allclose(grown.tree.path_scores.topk(nodes, dim=-1).values, ref_best)
+        accepted = torch.full((batch, heads_n + 1), -1)
+        accepted[:, 0] = 0
+        z, candidates, proposed = grown.along(accepted)
+        assert z.shape[1] == candidates.shape[1] == proposed.shape[1] == heads_n
+        assert proposed[:, 0].all() and not proposed[:, nodes:].any()
+    assert wide.tree.size == 17
+
+
 def test_hooks_adjust_path_heads_depth_by_depth_and_get_the_accepted_paths_proposals():
     """On path heads, every draft call is one depth: all its slots are that depth's head, each with its path; the
     feedback's proposals are those made at the accepted path's nodes, marked ``proposed`` only there."""

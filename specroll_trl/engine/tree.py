@@ -124,15 +124,17 @@ class GrownTree:
     frontier_z: list[torch.Tensor]
     frontier_ids: list[torch.Tensor]
     frontier_source: list[torch.Tensor]
+    num_heads: int
 
     def along(self, accepted: torch.Tensor):
         """The proposals made along each row's accepted path (``accepted [B, >= H]`` node indices, root first, ``-1``
         past its end): per head ``d``, the ``z`` and candidates of the head run at the path's node of depth ``d``, and
-        whether it ran there (``proposed``; a path node outside the frontier of its depth had no head run on it)."""
-        batch, num_heads = accepted.shape[0], len(self.frontier_z)
+        whether it ran there (``proposed``; a path node outside the frontier of its depth had no head run on it, and
+        the heads below the tree's depth limit ran nowhere)."""
+        batch, grown = accepted.shape[0], len(self.frontier_z)
         rows = torch.arange(batch, device=accepted.device)
         z, candidates, proposed = [], [], []
-        for d in range(num_heads):
+        for d in range(grown):
             node = accepted[:, d] if d < accepted.shape[1] else torch.full_like(accepted[:, 0], -1)
             source = self.tree.source.gather(1, node.clamp(min=0)[:, None])  # [B, 1]
             match = self.frontier_source[d] == source  # [B, f]
@@ -140,6 +142,10 @@ class GrownTree:
             z.append(self.frontier_z[d][rows, slot])
             candidates.append(self.frontier_ids[d][rows, slot])
             proposed.append((node >= 0) & match.any(1))
+        for _ in range(grown, self.num_heads):
+            z.append(torch.zeros_like(z[0]))
+            candidates.append(torch.zeros_like(candidates[0]))
+            proposed.append(torch.zeros_like(proposed[0]))
         return torch.stack(z, 1), torch.stack(candidates, 1), torch.stack(proposed, 1)
 
 
@@ -150,7 +156,8 @@ def grow_tree(root: torch.Tensor, hidden: torch.Tensor, head_step, embed, num_he
     Depth ``d``'s head reads ``hidden`` and the embeddings of the path down to each frontier node; the ``topk``
     children of every frontier node are candidates, and the best ``min(topk, num_nodes)`` of them (by path score,
     the product of head probabilities) form the next frontier. The tree keeps the best ``num_nodes`` candidates
-    (closed under parent: a child scores below its parent).
+    (closed under parent: a child scores below its parent), so it is at most ``num_nodes`` deep and the heads below
+    that depth are not run.
 
     Args:
         root: ``[B]`` root tokens; hidden: ``[B, D]`` the hidden state that produced them.
@@ -164,8 +171,8 @@ def grow_tree(root: torch.Tensor, hidden: torch.Tensor, head_step, embed, num_he
     front_score = torch.zeros((batch, 1), device=root.device)
     front_index = torch.full((batch, 1), -1, dtype=torch.long, device=root.device)  # candidate index, -1: root
     tokens, parents, depths, scores, frontier_z, frontier_ids, frontier_source = [], [], [], [], [], [], []
-    offset = 0
-    for d in range(1, num_heads + 1):
+    offset, depth = 0, min(num_heads, num_nodes)
+    for d in range(1, depth + 1):
         f = path.shape[1]
         z, logp, to_ids = head_step(d, hidden[:, None].expand(-1, f, -1), path, path_tokens)
         top_logp, top_index = logp.topk(topk, dim=-1)  # [B, f, K]
@@ -178,7 +185,7 @@ def grow_tree(root: torch.Tensor, hidden: torch.Tensor, head_step, embed, num_he
         parents.append(front_index[..., None].expand(-1, -1, topk).reshape(batch, f * topk))
         depths.append(torch.full((batch, f * topk), d, dtype=torch.long, device=root.device))
         scores.append(score)
-        if d == num_heads:
+        if d == depth:
             break
         keep = score.topk(min(width, f * topk), dim=-1).indices  # [B, f'], best first
         grown = tokens[-1].gather(1, keep)
@@ -190,7 +197,7 @@ def grow_tree(root: torch.Tensor, hidden: torch.Tensor, head_step, embed, num_he
         offset += f * topk
     tree = tree_from_nodes(root, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1),
                            torch.cat(scores, 1), num_nodes, num_heads)
-    return GrownTree(tree, frontier_z, frontier_ids, frontier_source)
+    return GrownTree(tree, frontier_z, frontier_ids, frontier_source, num_heads)
 
 
 def tree_from_nodes(root: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,

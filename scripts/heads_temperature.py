@@ -11,6 +11,7 @@ T=1.0 with T=1.0 targets, and the shipped T=0.7 ones with T=0.7 targets):
                  no better than KL + CE, deleted
   s10-t10-kl     the policy's own T=1.0 samples (``--train-shards`` shards of 64 prompts of the plan), T=1.0 targets
   both-t10-kl    both sample sets, T=1.0 targets
+  *-linear       the variant with the learning rate decayed linearly to zero over the steps (the recipe's is constant)
 
 ``--curve``: the variant's data cut to 50k, 100k, 200k anchors (whole sequences drawn at random) and all.
 
@@ -133,7 +134,8 @@ def main() -> None:
         heads = SpeculativeHeads.from_pretrained(onpolicy_heads.shipped_folder("smollm2-135m", "path"))
         results["shipped"] = {"variant": "shipped", "samples": "s07", "target_temperature": T_LOW, **measure(heads)}
     for variant in (v for v in args.variants if v != "shipped"):
-        fit(variant, train[variant.split("-")[0]](), high)
+        schedule = "linear" if variant.endswith("-linear") else high.lr_scheduler_type
+        fit(variant, train[variant.split("-")[0]](), dataclasses.replace(high, lr_scheduler_type=schedule))
     if args.curve:
         data = train[args.curve.split("-")[0]]()
         for anchors in args.curve_anchors:

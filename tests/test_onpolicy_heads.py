@@ -76,6 +76,28 @@ def test_path_heads_need_the_embedding_to_train():
                               progress=False)
 
 
+def test_a_linear_schedule_shrinks_the_steps_to_zero():
+    """Adam moves each weight by about the learning rate per step, so 4 steps at a linearly decaying rate (1, 3/4,
+    2/4, 1/4 of it) end nearer the start than 4 at a constant rate, on the same batches; an unknown schedule is
+    refused by name."""
+    model = make_model(vocab=24, hidden=32, seed=2)
+    stream = pair_stream(model, 24, n=20)
+
+    def params(heads):
+        return torch.cat([p.detach().flatten() for p in heads.parameters()])
+
+    start = params(SpeculativeHeads.from_model(model, num_heads=2))
+    moved = {}
+    for schedule in ("constant", "linear"):
+        heads = SpeculativeHeads.from_model(model, num_heads=2)
+        train_heads_on_stream(heads, model.lm_head, stream, HeadDistillConfig(
+            steps=4, batch_size=16, lr=1e-2, lr_scheduler_type=schedule), progress=False)
+        moved[schedule] = float((params(heads) - start).norm())
+    assert moved["linear"] < 0.8 * moved["constant"]
+    with pytest.raises(ValueError, match="lr_scheduler_type"):
+        HeadDistillConfig(lr_scheduler_type="warmup_forever")
+
+
 def test_early_stopping_keeps_the_best_heldout_heads_and_reports_intervals():
     vocab = 24
     model = make_model(vocab=vocab, hidden=32, seed=2)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
+from transformers import get_scheduler
 
 from ..engine.generator import eos_ids
 from ..engine.heads import HEAD_KINDS, SpeculativeHeads, VocabProjection, lm_head_of
@@ -26,6 +27,7 @@ from .records import HeadRecords, head_fit_loss, record_states
 from .samples import left_pad
 
 REPORT_FILE = "distill_report.json"
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -50,6 +52,9 @@ class HeadDistillConfig:
     steps: int = field(default=600, metadata={"help": "optimiser steps."})
     batch_size: int = field(default=1024, metadata={"help": "anchor positions per step."})
     lr: float = field(default=1e-2, metadata={"help": "Adam learning rate."})
+    lr_scheduler_type: str = field(default="constant", metadata={
+        "help": "how the learning rate moves over ``steps``, as Trainer's ``lr_scheduler_type`` of that name: "
+                "'constant', 'linear' (to zero at the last step) or 'cosine'."})
     kl_weight: float = field(default=1.0, metadata={"help": "weight of ``KL(p || q_k)``."})
     nll_weight: float = field(default=1.0, metadata={"help": "weight of cross-entropy on the realised token."})
     max_seconds: float | None = field(
@@ -76,6 +81,8 @@ class HeadDistillConfig:
         for name in ("num_samples", "steps", "batch_size", "max_new_tokens", "sample_batch_size", "target_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            raise ValueError(f"lr_scheduler_type must be one of {LR_SCHEDULES}, got {self.lr_scheduler_type!r}")
         if self.target_topk < max(self.hit_ks):
             raise ValueError(f"target_topk ({self.target_topk}) must be >= the largest hit k ({max(self.hit_ks)})")
         for name in ("max_seconds", "sampling_max_seconds"):
@@ -271,6 +278,8 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
     if not params:
         raise ValueError("heads have no trainable parameters")
     optimizer = torch.optim.Adam(params, lr=config.lr)
+    scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=0,
+                              num_training_steps=config.steps)
     anchors = stream.anchor_ok.nonzero().squeeze(-1)
     gen = torch.Generator().manual_seed(config.seed)
     projection = heads.projection(lm_head, config.temperature)  # the heads' own temperature -> the targets'
@@ -289,6 +298,7 @@ def train_heads_on_stream(heads: SpeculativeHeads, lm_head, stream: TokenStream,
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        scheduler.step()
         steps_done += 1
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if early and (steps_done % config.eval_every == 0 or steps_done == config.steps):

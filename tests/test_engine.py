@@ -665,8 +665,13 @@ def test_a_tree_of_fewer_nodes_than_heads_runs_only_the_heads_it_can_reach():
     table = torch.randn(heads_n, dim, vocab)
     embed = torch.nn.Embedding(vocab, dim)
 
-    def head_step(depth, hidden, path, path_tokens, calls):
-        calls.append(depth)
+    def recording(calls):
+        def head_step(depth, hidden, path, path_tokens):
+            calls.append(depth)
+            return stand_in(depth, hidden, path)
+        return head_step
+
+    def stand_in(depth, hidden, path):
         logits = path[:, :, -1] @ table[depth - 1] + hidden @ table[depth - 1]
         if depth > 2:  # deep heads all but certain: their children score just below their parents
             logits = logits * 50
@@ -676,13 +681,13 @@ def test_a_tree_of_fewer_nodes_than_heads_runs_only_the_heads_it_can_reach():
     for nodes in (1, 2, 3):
         cut, full = [], []
         with torch.no_grad():
-            grown = grow_tree(root, hidden, lambda *a: head_step(*a, cut), embed, heads_n, k, nodes)
-            wide = grow_tree(root, hidden, lambda *a: head_step(*a, full), embed, heads_n, k, 16)
+            grown = grow_tree(root, hidden, recording(cut), embed, heads_n, k, nodes)
+            wide = grow_tree(root, hidden, recording(full), embed, heads_n, k, 16)
         assert cut == list(range(1, nodes + 1)) and full == list(range(1, heads_n + 1))
         assert int(grown.tree.depth.max()) <= nodes
         # the same nodes as the best `nodes` of every candidate the full beam of that width would score
         with torch.no_grad():
-            reference = grow_tree(root, hidden, lambda *a: head_step(*a, []), embed, heads_n, k, nodes + heads_n)
+            reference = grow_tree(root, hidden, recording([]), embed, heads_n, k, nodes + heads_n)
         ref_best = reference.tree.path_scores.topk(nodes, dim=-1).values
         assert torch.allclose(grown.tree.path_scores.topk(nodes, dim=-1).values, ref_best)
         accepted = torch.full((batch, heads_n + 1), -1)

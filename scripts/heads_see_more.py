@@ -1,8 +1,10 @@
 """Heads that see more, measured before building them into the engine: does a Hydra++ prefix-attention layer, or a
 wider path-head MLP, raise the path heads' held-out hit rates on SmolLM2-135M-Instruct at T=1.0?
 
-Every variant starts from the fitted T=1.0 path heads (``s10-t10-kl`` of ``scripts/heads_temperature.py``) and
-continues ``--steps`` Adam steps on the same batches of whole training sequences (8 per step, learning rate 3e-4):
+Every variant starts from fitted T=1.0 path heads (``--start``: the shipped set, ``s10-t10-kl-linear`` of
+``scripts/heads_temperature.py``, by default; the prefix variant was measured from ``s10-t10-kl``) and continues
+``--steps`` Adam steps on the same batches of whole training sequences (8 per step, learning rate 3e-4) of the
+package's T=1.0 samples, T=1.0 targets:
 
   plain    the heads alone: the control (continued training by itself moves the hit rates)
   prefix   + one decoder layer of the base model's architecture over the target's final hidden states of the
@@ -15,7 +17,6 @@ continues ``--steps`` Adam steps on the same batches of whole training sequences
 Top-1 / top-3 hit of the realised token per head on the 48 held-out GSM8K-test sequences at T=1.0, every 100 steps.
 A variant that does not beat the control is not built into the library (``benchmarks/README.md`` keeps its numbers).
 
-  python scripts/heads_temperature.py sample && python scripts/heads_temperature.py fit --variants s10-t10-kl
   for v in plain prefix wide; do python scripts/heads_see_more.py $v; done
 """
 
@@ -33,7 +34,7 @@ from torch.nn import functional as F
 from specroll_trl.adapt.records import head_fit_loss
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.experiments import zoo
-from specroll_trl.experiments.onpolicy_heads import read_stream
+from specroll_trl.experiments import onpolicy_heads
 
 
 class PrefixAttention(nn.Module):
@@ -88,7 +89,9 @@ def main() -> None:
     parser.add_argument("variant", choices=["plain", "prefix", "wide"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--layer-lr", type=float, default=1e-4, help="the prefix layer's learning rate")
-    parser.add_argument("--work", default="runs/heads_t10")
+    parser.add_argument("--start", default=str(onpolicy_heads.shipped_folder("smollm2-135m", "path")),
+                        help="the fitted path heads every variant starts from")
+    parser.add_argument("--work", default="runs/heads_t10", help="where the T=1.0 streams are cached")
     parser.add_argument("--out", default="runs/heads_see_more")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -96,9 +99,14 @@ def main() -> None:
     model, _ = zoo.load_policy("smollm2-135m")
     model.requires_grad_(False)
     embed = model.get_input_embeddings()
-    train = read_stream(work / "train_s10_t10_1152.safetensors")
-    held = read_stream(work / "heldout_s10_t10.safetensors")
-    heads = SpeculativeHeads.from_pretrained(work / "heads" / "s10-t10-kl", dtype=torch.float32)
+    samples = onpolicy_heads.shipped_samples("smollm2-135m", onpolicy_heads.policy_fingerprint(model))
+    if samples is None:
+        raise SystemExit("the package's samples do not match this policy")
+    topk = onpolicy_heads.onpolicy_distill_config().target_topk
+    train, held = (onpolicy_heads.cached_stream(model, samples[name], 1.0, topk, work / f"{stem}.safetensors")
+                   for name, stem in (("train", f"train_s10_t10_{len(samples['train'])}"),
+                                      ("heldout", "heldout_s10_t10")))
+    heads = SpeculativeHeads.from_pretrained(args.start, dtype=torch.float32)
     projection = heads.projection(model.get_output_embeddings(), 1.0)
     prefix = PrefixAttention(model) if args.variant == "prefix" else None
     if args.variant == "wide":
@@ -138,7 +146,7 @@ def main() -> None:
         groups.append({"params": prefix.parameters(), "lr": args.layer_lr})
     optimizer = torch.optim.Adam(groups)
     spans, generator = spans_of(train), torch.Generator().manual_seed(0)
-    log = {"variant": args.variant, "steps": args.steps, "layer_lr": args.layer_lr, "evals": [[0, hit_rates()]]}
+    log = {"variant": args.variant, "start": args.start, "steps": args.steps, "layer_lr": args.layer_lr, "evals": [[0, hit_rates()]]}
     out = Path(args.out) / f"{args.variant}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()

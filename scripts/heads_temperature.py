@@ -13,12 +13,17 @@ prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 tar
                      no better than KL + CE, deleted
   s10-t10-kl         the policy's own T=1.0 samples (the package's samples), T=1.0 targets, constant learning rate
   both-t10-kl        both sample sets, T=1.0 targets
+  more-t10-kl        the policy's T=1.0 samples of as much of the whole plan as ``sample-more`` drew (the package's
+                     1,152 train prompts first), T=1.0 targets
   *-linear           the variant with the learning rate decayed linearly to zero over the steps (the recipe since
                      2026-12-02, fourth session; s10-t10-kl-linear is the shipped set)
 
 ``--curve``: the variant's data cut to 50k, 100k, 200k anchors (whole sequences drawn at random) and all.
 
   python scripts/heads_temperature.py sample                  # the plan at T=0.7, resumable (about 1 h, 1 thread)
+  python scripts/heads_temperature.py sample-more             # the whole plan at T=1.0 (every GSM8K-train question
+                                                              # plus one arithmetic prompt in four), resumable;
+                                                              # stop it any time, `fit` takes the shards drawn
   python scripts/heads_temperature.py fit --curve s10-t10-kl   # every variant, then the curve
 
 Resumable: streams are cached in ``--work``; a variant whose folder holds a report is not refitted.
@@ -41,12 +46,14 @@ from specroll_trl.adapt.distill import (
     measure_heads,
     save_distilled,
 )
-from specroll_trl.adapt.samples import read_folder
+from specroll_trl.adapt.samples import read_folder, sample_to_folder
 from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.experiments import onpolicy_heads, zoo
 
 T_LOW, T_HIGH = 0.7, 1.0
 CURVE_ANCHORS = (50_000, 100_000, 200_000)
+WHOLE_PLAN = 9964  # 7,473 GSM8K-train questions, every fourth prompt an arithmetic problem
+MORE_BLOCK = 16  # shards of the whole plan streamed (teacher-forced) together
 
 
 def concat_streams(streams: list[TokenStream]) -> TokenStream:
@@ -77,9 +84,36 @@ def sequences_for(stream: TokenStream, anchors: int, seed: int = 0) -> TokenStre
                        top_probs=stream.top_probs[keep])
 
 
+def read_shard(path: Path) -> list:
+    shard = json.loads(path.read_text())
+    return list(zip(shard["prompts"], shard["completions"]))
+
+
+def sample_more(model, tokenizer, folder: Path, config) -> None:
+    """The whole plan's train prompts sampled at ``config.temperature`` into ``folder``, resumable. The plan of
+    ``WHOLE_PLAN`` prompts starts with the package's 1,152 (same shuffle, same shard seeds), so their shipped
+    samples are written as its first shards instead of drawn again."""
+    plan = onpolicy_heads.prompt_plan(tokenizer, train=WHOLE_PLAN)["train"]
+    shipped = onpolicy_heads.shipped_samples("smollm2-135m", onpolicy_heads.policy_fingerprint(model))
+    if shipped is None:
+        raise SystemExit("the package's samples do not match this policy")
+    pairs, size = shipped["train"], config.sample_batch_size
+    if [p for p, _ in pairs] != plan[: len(pairs)]:
+        raise SystemExit("the package's samples are not the start of the whole plan")
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, start in enumerate(range(0, len(pairs) - len(pairs) % size, size)):
+        chunk = pairs[start : start + size]
+        path = folder / f"shard_{index:05d}.json"
+        if not path.is_file():
+            path.write_text(json.dumps({"prompts": [p for p, _ in chunk], "completions": [c for _, c in chunk],
+                                        "seed": index, "temperature": config.temperature, "shipped": True}))
+    sample_to_folder(model, plan, folder, tokenizer.pad_token_id, config.temperature, config.max_new_tokens,
+                     size, onpolicy_heads.SAMPLE_SEEDS["train"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["sample", "fit"])
+    parser.add_argument("what", choices=["sample", "sample-more", "fit"])
     parser.add_argument("--variants", nargs="*", default=["shipped", "s07-t10-kl", "s10-t10-kl", "both-t10-kl"])
     parser.add_argument("--curve", default=None, help="a variant whose data is cut to the curve's anchor counts")
     parser.add_argument("--curve-anchors", type=int, nargs="+", default=list(CURVE_ANCHORS))
@@ -93,6 +127,9 @@ def main() -> None:
     high = dataclasses.replace(recipe, temperature=T_HIGH, lr_scheduler_type="constant")
     if args.what == "sample":
         onpolicy_heads.sample_plan(model, tokenizer, work / "samples_t07", dataclasses.replace(high, temperature=T_LOW))
+        return
+    if args.what == "sample-more":
+        sample_more(model, tokenizer, work / "samples_t10_more", high)
         return
 
     key = onpolicy_heads.policy_fingerprint(model)
@@ -112,6 +149,20 @@ def main() -> None:
     train = {"s07": lambda: stream("train_s07_t10", low["train"], T_HIGH),
              "s10": lambda: stream(f"train_s10_t10_{len(shipped['train'])}", shipped["train"], T_HIGH)}
     train["both"] = lambda: concat_streams([train["s10"](), train["s07"]()])
+
+    def more() -> TokenStream:
+        """The package's samples' stream, then one per block of ``MORE_BLOCK`` shards drawn after them (each cached
+        alone, so a longer draw reuses the blocks already streamed)."""
+        folder, first = work / "samples_t10_more", len(shipped["train"]) // recipe.sample_batch_size
+        drawn = len(list(folder.glob("shard_*.json")))
+        blocks = [train["s10"]()]
+        for start in range(first, drawn, MORE_BLOCK):
+            stop = min(drawn, start + MORE_BLOCK)
+            pairs = [pair for index in range(start, stop) for pair in read_shard(folder / f"shard_{index:05d}.json")]
+            blocks.append(stream(f"train_more_t10_shards{start}-{stop - 1}", pairs, T_HIGH))
+        return concat_streams(blocks)
+
+    train["more"] = more
 
     def measure(heads) -> dict:
         return {f"heldout_t{t}": measure_heads(heads, model, s, recipe.hit_ks)

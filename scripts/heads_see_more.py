@@ -33,8 +33,7 @@ from torch.nn import functional as F
 
 from specroll_trl.adapt.records import head_fit_loss
 from specroll_trl.engine.heads import SpeculativeHeads
-from specroll_trl.experiments import zoo
-from specroll_trl.experiments import onpolicy_heads
+from specroll_trl.experiments import onpolicy_heads, zoo
 
 
 class PrefixAttention(nn.Module):
@@ -146,7 +145,8 @@ def main() -> None:
         groups.append({"params": prefix.parameters(), "lr": args.layer_lr})
     optimizer = torch.optim.Adam(groups)
     spans, generator = spans_of(train), torch.Generator().manual_seed(0)
-    log = {"variant": args.variant, "start": args.start, "steps": args.steps, "layer_lr": args.layer_lr, "evals": [[0, hit_rates()]]}
+    log = {"variant": args.variant, "start": args.start, "steps": args.steps, "layer_lr": args.layer_lr,
+           "evals": [[0, hit_rates()]]}
     out = Path(args.out) / f"{args.variant}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()

@@ -10,8 +10,8 @@
   ratio of realised to predicted accepted nodes at width ``N`` (or the nearest width drafted);
 * the cost of a width already measured is mostly its own mean step time, the fit filling in the others;
 * each step takes ``argmax_N g(N) / t(B, N)`` (committed tokens per second), and now and then a neighbour of it or
-  a plain step, so that the cost of other widths keeps being measured (the less often the slower it is predicted); the second step of every batch-size bucket
-  is a plain one (``N = 0``), the anchor of its costs.
+  a plain step, so that the cost of other widths keeps being measured (the less often the slower it is predicted);
+  the second step of every batch-size bucket is a plain one (``N = 0``), the anchor of its costs.
 
 ``FixedBudget`` is the formula of the method's paper, ``N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)``, for a
 user-set hardware capacity ``C_hw``. Either way the budget changes speed, never what is emitted.

@@ -17,6 +17,10 @@ prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 tar
                      1,152 train prompts first), T=1.0 targets
   *-linear           the variant with the learning rate decayed linearly to zero over the steps (the recipe since
                      2026-12-02, fourth session; s10-t10-kl-linear is the shipped set)
+  *-independent      the variant with independent heads (each reads only h_t: the kind vLLM's export takes)
+
+``--ship VARIANT``: write a fitted variant's heads to the package as the shipped set of its kind (fp16, keyed to the
+policy's SHA-256, with its held-out slice measured by the recipe); the samples shipped beside them stay the package's.
 
 ``--curve``: the variant's data cut to 50k, 100k, 200k anchors (whole sequences drawn at random) and all.
 
@@ -117,6 +121,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=["shipped", "s07-t10-kl", "s10-t10-kl", "both-t10-kl"])
     parser.add_argument("--curve", default=None, help="a variant whose data is cut to the curve's anchor counts")
     parser.add_argument("--curve-anchors", type=int, nargs="+", default=list(CURVE_ANCHORS))
+    parser.add_argument("--ship", default=None, help="a fitted variant written to the package as its kind's heads")
     parser.add_argument("--work", default="runs/heads_t10")
     parser.add_argument("--out", default="benchmarks/heads_temperature_smollm2.json")
     args = parser.parse_args()
@@ -188,8 +193,9 @@ def main() -> None:
         heads = SpeculativeHeads.from_pretrained(onpolicy_heads.shipped_folder("smollm2-135m", "path"))
         results["shipped"] = {"variant": "shipped", "samples": "s07", "target_temperature": T_LOW, **measure(heads)}
     for variant in (v for v in args.variants if v != "shipped"):
-        schedule = "linear" if variant.endswith("-linear") else high.lr_scheduler_type
-        fit(variant, train[variant.split("-")[0]](), dataclasses.replace(high, lr_scheduler_type=schedule))
+        schedule = "linear" if "-linear" in variant else high.lr_scheduler_type
+        kind = "independent" if variant.endswith("-independent") else "path"
+        fit(variant, train[variant.split("-")[0]](), dataclasses.replace(high, lr_scheduler_type=schedule, kind=kind))
     if args.curve:
         data = train[args.curve.split("-")[0]]()
         for anchors in args.curve_anchors:
@@ -197,6 +203,15 @@ def main() -> None:
                 fit(f"{args.curve}@{anchors // 1000}k", sequences_for(data, anchors), high)
     out.write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
     print(f"wrote {out}")
+    if args.ship:
+        folder = work / "heads" / args.ship
+        heads = SpeculativeHeads.from_pretrained(folder, dtype=torch.float32)
+        report = json.loads((folder / REPORT_FILE).read_text())
+        kind = heads.config.kind
+        target = onpolicy_heads.shipped_folder("smollm2-135m", kind)
+        onpolicy_heads.save_preset_heads(heads, report, shipped, model, target, key,
+                                         dataclasses.replace(recipe, kind=kind))
+        print(f"shipped {args.ship} as {target}")
 
 
 if __name__ == "__main__":

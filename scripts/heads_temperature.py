@@ -20,7 +20,8 @@ prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 tar
   *-independent      the variant with independent heads (each reads only h_t: the kind vLLM's export takes)
 
 ``--ship VARIANT``: write a fitted variant's heads to the package as the shipped set of its kind (fp16, keyed to the
-policy's SHA-256, with its held-out slice measured by the recipe); the samples shipped beside them stay the package's.
+policy's SHA-256, with its held-out slice measured by the recipe); a ``more-*`` variant's samples (every shard drawn)
+replace the package's samples beside them.
 
 ``--curve``: the variant's data cut to 50k, 100k, 200k anchors (whole sequences drawn at random) and all.
 
@@ -208,8 +209,12 @@ def main() -> None:
         heads = SpeculativeHeads.from_pretrained(folder, dtype=torch.float32)
         report = json.loads((folder / REPORT_FILE).read_text())
         kind = heads.config.kind
+        samples = shipped
+        if args.ship.startswith("more-"):  # fitted to more than the package's samples: those ship with them
+            samples = {"heldout": shipped["heldout"], "train": read_folder(work / "samples_t10_more")}
+            onpolicy_heads.ship_samples(samples, "smollm2-135m", key)
         target = onpolicy_heads.shipped_folder("smollm2-135m", kind)
-        onpolicy_heads.save_preset_heads(heads, report, shipped, model, target, key,
+        onpolicy_heads.save_preset_heads(heads, report, samples, model, target, key,
                                          dataclasses.replace(recipe, kind=kind))
         print(f"shipped {args.ship} as {target}")
 

@@ -35,7 +35,8 @@ from .tasks import arithmetic_examples, chat_prompt, gsm8k_examples
 
 SHIPPED_DIR = Path(__file__).parent / "data" / "heads"
 SAMPLES_FILE = "samples.safetensors"
-TRAIN_PROMPTS = 1152  # GSM8K-train and arithmetic chat prompts, 3 : 1 (about 220k anchors at T=0.7, 256 tokens)
+TRAIN_PROMPTS = 1152  # GSM8K-train and arithmetic chat prompts, 3 : 1 (about 220k anchors, 256 tokens); the shipped
+# SmolLM2 set was fitted to the plan's first 2,944 (568k anchors, scripts/heads_temperature.py sample-more)
 HELDOUT_PROMPTS = 48  # whole sequences from GSM8K-test chat prompts, never trained on (about 9k anchors)
 SAMPLE_SEEDS = {"heldout": 100_000, "train": 0}
 

@@ -14,7 +14,8 @@ prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 tar
   s10-t10-kl         the policy's own T=1.0 samples (the package's samples), T=1.0 targets, constant learning rate
   both-t10-kl        both sample sets, T=1.0 targets
   more-t10-kl        the policy's T=1.0 samples of as much of the whole plan as ``sample-more`` drew (the package's
-                     1,152 train prompts first), T=1.0 targets
+                     train prompts first), T=1.0 targets; more-t10-kl-linear on 2,944 prompts is shipped since the
+                     fifth session of 2026-12-02 (before it, the package's samples were the plan's first 1,152)
   *-linear           the variant with the learning rate decayed linearly to zero over the steps (the recipe since
                      2026-12-02, fourth session; s10-t10-kl-linear is the shipped set)
   *-independent      the variant with independent heads (each reads only h_t: the kind vLLM's export takes)
@@ -96,7 +97,7 @@ def read_shard(path: Path) -> list:
 
 def sample_more(model, tokenizer, folder: Path, config) -> None:
     """The whole plan's train prompts sampled at ``config.temperature`` into ``folder``, resumable. The plan of
-    ``WHOLE_PLAN`` prompts starts with the package's 1,152 (same shuffle, same shard seeds), so their shipped
+    ``WHOLE_PLAN`` prompts starts with the package's (same shuffle, same shard seeds), so their shipped
     samples are written as its first shards instead of drawn again."""
     plan = onpolicy_heads.prompt_plan(tokenizer, train=WHOLE_PLAN)["train"]
     shipped = onpolicy_heads.shipped_samples("smollm2-135m", onpolicy_heads.policy_fingerprint(model))

@@ -90,11 +90,6 @@ def sequences_for(stream: TokenStream, anchors: int, seed: int = 0) -> TokenStre
                        top_probs=stream.top_probs[keep])
 
 
-def read_shard(path: Path) -> list:
-    shard = json.loads(path.read_text())
-    return list(zip(shard["prompts"], shard["completions"]))
-
-
 def sample_more(model, tokenizer, folder: Path, config) -> None:
     """The whole plan's train prompts sampled at ``config.temperature`` into ``folder``, resumable. The plan of
     ``WHOLE_PLAN`` prompts starts with the package's (same shuffle, same shard seeds), so their shipped
@@ -160,13 +155,13 @@ def main() -> None:
     def more() -> TokenStream:
         """The package's samples' stream, then one per block of ``MORE_BLOCK`` shards drawn after them (each cached
         alone, so a longer draw reuses the blocks already streamed)."""
-        folder, first = work / "samples_t10_more", len(shipped["train"]) // recipe.sample_batch_size
-        drawn = len(list(folder.glob("shard_*.json")))
+        size = recipe.sample_batch_size
+        first, drawn = len(shipped["train"]) // size, read_folder(work / "samples_t10_more")
         blocks = [train["s10"]()]
-        for start in range(first, drawn, MORE_BLOCK):
-            stop = min(drawn, start + MORE_BLOCK)
-            pairs = [pair for index in range(start, stop) for pair in read_shard(folder / f"shard_{index:05d}.json")]
-            blocks.append(stream(f"train_more_t10_shards{start}-{stop - 1}", pairs, T_HIGH))
+        for start in range(first * size, len(drawn), MORE_BLOCK * size):
+            pairs = drawn[start : start + MORE_BLOCK * size]
+            name = f"train_more_t10_shards{start // size}-{(start + len(pairs) - 1) // size}"
+            blocks.append(stream(name, pairs, T_HIGH))
         return concat_streams(blocks)
 
     train["more"] = more

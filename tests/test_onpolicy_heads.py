@@ -44,6 +44,16 @@ def test_samples_resume_where_they_stopped_and_reproduce(tmp_path):
     assert read_samples(tmp_path / "s.safetensors") == {"train": first[:3], "heldout": first[3:]}
 
 
+def test_packed_samples_keep_every_id_in_half_the_bytes_when_the_vocabulary_allows(tmp_path):
+    small = [([0, 5, 65_535], [7, 65_534]), ([3], [])]
+    large = [([0, 65_536], [100_000, 2])]  # ids of a vocabulary over 65,536 tokens (Llama 3: 128k) stay int32
+    pack_samples({"small": small, "large": large}, tmp_path / "s.safetensors")
+    assert read_samples(tmp_path / "s.safetensors") == {"small": small, "large": large}
+    tensors = load_file(str(tmp_path / "s.safetensors"))
+    assert tensors["small.prompt_ids"].dtype == torch.uint16 and tensors["small.completion_ids"].dtype == torch.uint16
+    assert tensors["large.completion_ids"].dtype == torch.int32
+
+
 def pair_stream(model, vocab, n=400, seed=0):
     """Random tokens each followed by a fixed function of it: x_{t+2} is known from x_{t+1}, not from h_t."""
     rng = torch.Generator().manual_seed(seed)

@@ -344,9 +344,9 @@ def evaluate_policy(model, tokenizer, examples: list[dict], temperature: float =
 
 
 def heads_dir(preset: str, kind: str = "path") -> Path:
-    """Where a preset's heads are cached: ``spec_heads/`` (a toy's heads, a pretrained preset's path heads) or
-    ``spec_heads_<kind>/``."""
-    return policy_dir(preset) / ("spec_heads" if kind == "path" or preset not in PRETRAINED else f"spec_heads_{kind}")
+    """Where a preset's heads are cached: ``spec_heads_<kind>/`` for a pretrained preset (it ships a set of each
+    kind), ``spec_heads/`` for a toy (one set, of the kind its distillation recipe fits)."""
+    return policy_dir(preset) / (f"spec_heads_{kind}" if preset in PRETRAINED else "spec_heads")
 
 
 def preset_distill_config(preset: str):

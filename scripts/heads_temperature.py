@@ -15,7 +15,8 @@ prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 tar
   both-t10-kl        both sample sets, T=1.0 targets
   more-t10-kl        the policy's T=1.0 samples of as much of the whole plan as ``sample-more`` drew (the package's
                      train prompts first), T=1.0 targets; more-t10-kl-linear on 2,944 prompts is shipped since the
-                     fifth session of 2026-12-02 (before it, the package's samples were the plan's first 1,152)
+                     fifth session of 2026-12-02 (before it, the package's samples were the plan's first 1,152);
+                     on 4,800 prompts (sixth session) it was no better, so the rest of the plan stays unsampled
   *-linear           the variant with the learning rate decayed linearly to zero over the steps (the recipe since
                      2026-12-02, fourth session; s10-t10-kl-linear is the shipped set)
   *-independent      the variant with independent heads (each reads only h_t: the kind vLLM's export takes)

@@ -17,6 +17,8 @@ prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 tar
                      train prompts first), T=1.0 targets; more-t10-kl-linear on 2,944 prompts is shipped since the
                      fifth session of 2026-12-02 (before it, the package's samples were the plan's first 1,152);
                      on 4,800 prompts (sixth session) it was no better, so the rest of the plan stays unsampled
+  *-tv               the variant with TV(p, q) = 1 - sum min(p, q) added to KL + CE (weight TV_WEIGHT): heads
+                     fitted for what rejection sampling accepts a child drawn from them at
   *-linear           the variant with the learning rate decayed linearly to zero over the steps (the recipe since
                      2026-12-02, fourth session; s10-t10-kl-linear is the shipped set)
   *-independent      the variant with independent heads (each reads only h_t: the kind vLLM's export takes)
@@ -58,6 +60,7 @@ from specroll_trl.engine.heads import SpeculativeHeads
 from specroll_trl.experiments import onpolicy_heads, zoo
 
 T_LOW, T_HIGH = 0.7, 1.0
+TV_WEIGHT = 1.0  # the *-tv variants' weight of TV(p, q) beside KL + CE
 CURVE_ANCHORS = (50_000, 100_000, 200_000)
 WHOLE_PLAN = 9964  # 7,473 GSM8K-train questions, every fourth prompt an arithmetic problem
 MORE_BLOCK = 16  # shards of the whole plan streamed (teacher-forced) together
@@ -139,17 +142,20 @@ def main() -> None:
     shipped = onpolicy_heads.shipped_samples("smollm2-135m", key)  # the plan at T=1.0
     if shipped is None:
         raise SystemExit("the package's samples do not match this policy")
-    if not (work / "samples_t07" / "train").is_dir():
-        raise SystemExit(f"no T=0.7 samples in {work / 'samples_t07'}: run `python {__file__} sample` first")
-    low = {name: read_folder(work / "samples_t07" / name) for name in ("heldout", "train")}
+
+    def low(name: str):
+        """The plan's T=0.7 samples (``sample`` draws the held-out ones first: the s07 variants need the rest)."""
+        if not (work / "samples_t07" / name).is_dir():
+            raise SystemExit(f"no T=0.7 {name} samples in {work / 'samples_t07'}: run `python {__file__} sample`")
+        return read_folder(work / "samples_t07" / name)
 
     def stream(name: str, pairs, temperature: float) -> TokenStream:
         return onpolicy_heads.cached_stream(model, pairs, temperature, recipe.target_topk,
                                             work / f"{name}.safetensors")
 
     held_high = stream("heldout_s10_t10", shipped["heldout"], T_HIGH)
-    held_low = stream("heldout_s07_t07", low["heldout"], T_LOW)
-    train = {"s07": lambda: stream("train_s07_t10", low["train"], T_HIGH),
+    held_low = stream("heldout_s07_t07", low("heldout"), T_LOW)
+    train = {"s07": lambda: stream("train_s07_t10", low("train"), T_HIGH),
              "s10": lambda: stream(f"train_s10_t10_{len(shipped['train'])}", shipped["train"], T_HIGH)}
     train["both"] = lambda: concat_streams([train["s10"](), train["s07"]()])
 
@@ -184,16 +190,18 @@ def main() -> None:
                       **measure(heads))
         save_distilled(heads, report, folder)
         results[variant] = report
-        print(variant, format_hit_table(report["hit_rates"], report["target_mass"]), sep="\n", flush=True)
+        print(variant, format_hit_table(report["hit_rates"], report["target_mass"], report.get("drawn_accept")), sep="\n", flush=True)
         out.write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
 
     if "shipped" in args.variants:
         heads = SpeculativeHeads.from_pretrained(onpolicy_heads.shipped_folder("smollm2-135m", "path"))
-        results["shipped"] = {"variant": "shipped", "samples": "s07", "target_temperature": T_LOW, **measure(heads)}
+        results["shipped"] = {"variant": "shipped", "samples": "more", "target_temperature": T_HIGH, **measure(heads)}
     for variant in (v for v in args.variants if v != "shipped"):
         schedule = "linear" if "-linear" in variant else high.lr_scheduler_type
         kind = "independent" if variant.endswith("-independent") else "path"
-        fit(variant, train[variant.split("-")[0]](), dataclasses.replace(high, lr_scheduler_type=schedule, kind=kind))
+        tv_weight = TV_WEIGHT if "-tv" in variant else 0.0
+        fit(variant, train[variant.split("-")[0]](), dataclasses.replace(high, lr_scheduler_type=schedule, kind=kind,
+                                                                          tv_weight=tv_weight))
     if args.curve:
         data = train[args.curve.split("-")[0]]()
         for anchors in args.curve_anchors:

@@ -44,7 +44,7 @@ def _demo(args) -> int:
               "cached)", flush=True)
         heads_path = str(zoo.build_heads(args.model))
         report = json.loads((Path(heads_path) / REPORT_FILE).read_text())
-        print(format_hit_table(report["hit_rates"], report.get("target_mass")))
+        print(format_hit_table(report["hit_rates"], report.get("target_mass"), report.get("drawn_accept")))
     else:
         print(f"[3/4] speculative heads from {heads_path}", flush=True)
     print(f"[4/4] {' vs '.join(run['trainers'])}: {run['steps']} GRPO steps x {run['repeats']} runs each, "
@@ -83,7 +83,7 @@ def _train_preset_heads(args) -> int:
     out = Path(args.out)
     onpolicy_heads.distill_preset_heads(model, tokenizer, out, cache, key=key, samples=samples, config=config)
     report = json.loads((out / REPORT_FILE).read_text())
-    print(format_hit_table(report["hit_rates"], report.get("target_mass")))
+    print(format_hit_table(report["hit_rates"], report.get("target_mass"), report.get("drawn_accept")))
     print(f"heads saved to {args.out}")
     return 0
 
@@ -109,7 +109,7 @@ def _train_heads(args) -> int:
                                   conversational=tokenizer.chat_template is not None)
     heads, report = distill_heads(model, prompts, tokenizer.pad_token_id, config)
     save_distilled(heads, report, args.out)
-    print(format_hit_table(report["hit_rates"], report.get("target_mass")))
+    print(format_hit_table(report["hit_rates"], report.get("target_mass"), report.get("drawn_accept")))
     print(f"heads saved to {args.out}")
     return 0
 
@@ -185,7 +185,7 @@ def _bench(args) -> int:
 
     records = bench_generation(args.model, batch_sizes=tuple(run["batch_sizes"]), repeats=run["repeats"],
                                max_new_tokens=run["max_new_tokens"], temperatures=tuple(run["temperatures"]),
-                               max_nodes=args.max_nodes, fixed_nodes=tuple(args.fixed_nodes),
+                               max_nodes=args.max_nodes, fixed_nodes=tuple(args.fixed_nodes), rules=tuple(args.rules),
                                dtype=getattr(torch, args.dtype), device=args.device)
     print(format_table(records))
     if args.out:
@@ -209,7 +209,8 @@ def _bench_heads(args, run: dict) -> int:
     records = []
     if run["prompts"]:
         records += tau_sweep(model, tokenizer, heads, node_counts=run["nodes"], temperatures=run["temperatures"],
-                             num_prompts=run["prompts"], max_new_tokens=run["max_new_tokens"], device=args.device)
+                             num_prompts=run["prompts"], max_new_tokens=run["max_new_tokens"], rules=tuple(args.rules),
+                             groups=args.groups, device=args.device)
     if run["cost_batch_sizes"]:
         records += step_cost(model, tokenizer, next(iter(heads.values())), batch_sizes=run["cost_batch_sizes"],
                              node_counts=[0, *run["nodes"]], device=args.device)
@@ -312,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
     gen.add_argument("--temperatures", type=float, nargs="+", default=None, help=says("temperatures"))
     gen.add_argument("--max-nodes", type=int, default=16, help="N_max, draft nodes per row per step")
+    gen.add_argument("--rules", nargs="*", default=[], choices=["top-k", "drawn"],
+                     help="also run the online budget held to each of these verification rules (spec_<rule>)")
     gen.add_argument("--fixed-nodes", type=int, nargs="*", default=[0, 2, 4, 8],
                      help="draft nodes per row of the fixed-tree modes (fixed_N; 0: the loop without drafting)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
@@ -367,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NAME=FOLDER (or FOLDER) of each heads set to compare (default: the preset's heads)")
     hb.add_argument("--nodes", type=int, nargs="+", default=None, help=f"draft nodes per row {says('nodes')}")
     hb.add_argument("--temperatures", type=float, nargs="+", default=None, help=says("temperatures"))
+    hb.add_argument("--rules", nargs="+", default=["drawn+1"],
+                    help="verification rules to compare: top-k, drawn, drawn+F (F fixed top-of-q children per node)")
+    hb.add_argument("--groups", type=int, default=1, help="run the prompts as this many batches (tau per group)")
     hb.add_argument("--prompts", type=int, default=None,
                     help=f"GSM8K-test chat prompts from row 1000 on, 0 to skip the tau sweep {says('prompts')}")
     hb.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))

@@ -94,8 +94,15 @@ class SpecGRPOConfig(GRPOConfig):
     > Engine (fields of `SpeculativeConfig`)
 
     Parameters:
+        spec_candidates (`str`, *optional*, defaults to `"auto"`):
+            How a tree node's children are proposed and verified: `"drawn"` from the heads' distribution and
+            verified by recursive rejection sampling; `"top-k"` the heads' top-k, verified by sample-then-match
+            (then the rollouts of a seed do not depend on the drafts); `"auto"`: each step the one the node budget
+            predicts to commit more tokens per second. All are exact. Greedy decoding always uses `"top-k"`.
+        spec_fixed_children (`int`, *optional*, defaults to `0`):
+            With `"drawn"`: children of each node taken as the heads' top tokens before the rest are drawn.
         spec_topk_per_head (`int`, *optional*, defaults to `4`):
-            Candidates each head adds at its tree depth.
+            Children per tree node at most.
         spec_max_nodes (`int`, *optional*, defaults to `16`):
             `N_max`: draft nodes per row per step besides the root.
         spec_capacity (`int` or `None`, *optional*):
@@ -130,7 +137,9 @@ class SpecGRPOConfig(GRPOConfig):
     spec_distill_max_seconds: float | None = field(
         default=120.0, metadata={"help": "Wall-time bound of the initial distillation; None: no bound."})
     spec_distill_cache: bool = field(default=True, metadata={"help": "Reuse heads distilled for the same policy."})
-    spec_topk_per_head: int = field(default=4, metadata={"help": "Candidates each head adds at its tree depth."})
+    spec_candidates: str = field(default="auto", metadata={"help": "'auto', 'drawn' or 'top-k'."})
+    spec_fixed_children: int = field(default=0, metadata={"help": "With 'drawn': top-of-q children per node."})
+    spec_topk_per_head: int = field(default=4, metadata={"help": "Children per tree node at most."})
     spec_max_nodes: int = field(default=16, metadata={"help": "N_max: draft nodes per row per step."})
     spec_capacity: int | None = field(default=None, metadata={"help": "C_hw of the fixed budget; None: online."})
     spec_fallback_to_generate: bool = field(default=True, metadata={"help": "Unsupported model: use generate."})
@@ -194,7 +203,8 @@ def engine_config(spec) -> SpeculativeConfig:
     """The engine's options from the ``spec_`` fields (``SpeculativeConfig``'s messages start with its field name,
     here the user's ``spec_`` one)."""
     try:
-        return SpeculativeConfig(topk_per_head=spec.spec_topk_per_head, max_nodes=spec.spec_max_nodes,
+        return SpeculativeConfig(candidates=spec.spec_candidates, fixed_children=spec.spec_fixed_children,
+                                 topk_per_head=spec.spec_topk_per_head, max_nodes=spec.spec_max_nodes,
                                  capacity=spec.spec_capacity, fallback_to_generate=spec.spec_fallback_to_generate)
     except (TypeError, ValueError) as err:
         raise type(err)(f"spec_{err}") from err

@@ -126,20 +126,21 @@ def test_online_budget_explores_a_width_less_often_the_slower_it_is_predicted(se
 
 
 def test_emitted_tokens_do_not_depend_on_the_budget(nano):
-    """One uniform per completion position: the tree (and so the budget) changes speed, not the sample."""
+    """Top-k candidates: one uniform per completion position, so the tree (and so the budget) changes speed, not the
+    sample. (Drawn candidates keep the distribution, not the sample: ``test_drawn``.)"""
     model, _, heads = nano
     _, ids, mask, gc = nano_sampling_inputs(nano, 12, seed=901, temperature=1.0, max_new_tokens=64)
     outputs = []
     for options in (dict(capacity=12, max_nodes=0), dict(capacity=48, max_nodes=3), dict(capacity=1024, max_nodes=16),
                     dict(capacity=None)):
         torch.manual_seed(7)
-        outputs.append(SpeculativeGenerator(model, heads, gc, **options).generate(ids, mask))
+        outputs.append(SpeculativeGenerator(model, heads, gc, candidates="top-k", **options).generate(ids, mask))
     reference = outputs[0].completion_ids
     assert outputs[2].stats["tau"] > 1.5 * outputs[0].stats["tau"]  # very different trees...
     for out in outputs[1:]:
         assert out.completion_ids == reference  # ...the same completions
     torch.manual_seed(8)
-    other = SpeculativeGenerator(model, heads, gc, capacity=None).generate(ids, mask)
+    other = SpeculativeGenerator(model, heads, gc, capacity=None, candidates="top-k").generate(ids, mask)
     assert other.completion_ids != reference  # the seed, not the engine, decides the sample
 
 

@@ -433,7 +433,8 @@ def captured_path_buffer(model, heads, n_rounds=6, topk=8):
     gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=24, eos_token_id=1, pad_token_id=0)
     for r in range(n_rounds):
         ids, mask = left_padded([[5 + r, 6, 7], [9, 3 + r], [4, 4, 8 + r], [11 + r]])
-        engine = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=4, hooks=[BufferCapture(buffer)])
+        engine = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=4, hooks=[BufferCapture(buffer)],
+                                      candidates="top-k")
         torch.manual_seed(r)
         engine.generate(ids, mask)
     return buffer

@@ -69,13 +69,13 @@ def test_engine_with_draft_vocabulary_is_exact(do_sample):
     ids, mask = left_padded(prompts)
     gc = GenerationConfig(do_sample=do_sample, max_new_tokens=24, eos_token_id=1, pad_token_id=0, top_k=0)
     torch.manual_seed(0)
-    out = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=8).generate(ids, mask)
+    out = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=8, candidates="top-k").generate(ids, mask)
     if not do_sample:
         ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)[:, ids.shape[1]:].tolist()
         assert out.completion_ids == cut_after_eos(ref, {1})
     torch.manual_seed(0)
     no_draft = SpeculativeGenerator(model, heads, gc, capacity=3, max_nodes=0).generate(ids, mask)
-    assert out.completion_ids == no_draft.completion_ids  # same uniforms, same tokens, whatever the drafts
+    assert out.completion_ids == no_draft.completion_ids  # top-k: same uniforms, same tokens, whatever the drafts
     assert out.stats["drafted_row_steps"] > 0
 
 

@@ -137,12 +137,18 @@ def exact_completion_distribution(model, prompt, gc, mask=None):
     return result
 
 
-def engine_samples(model, heads, gc, n_per_prompt, seed):
+# the verification rules: top-k candidates matched against the target's samples; drawn candidates, with 0 or 1 fixed
+# (top-of-q) children per node, verified by recursive rejection sampling
+RULES = {"top-k": dict(candidates="top-k"), "drawn": dict(candidates="drawn", fixed_children=0),
+         "drawn+1-fixed": dict(candidates="drawn", fixed_children=1)}
+
+
+def engine_samples(model, heads, gc, n_per_prompt, seed, **options):
     prompts = [p for p in PROMPTS for _ in range(n_per_prompt)]
     ids, mask = left_padded(prompts)
     torch.manual_seed(seed)
-    eng = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=7, topk_per_head=2,
-                               track_expected_acceptance=True)
+    eng = SpeculativeGenerator(model, heads, gc, **{"capacity": 10**9, "max_nodes": 7, "topk_per_head": 2,
+                                                    "track_expected_acceptance": True, **options})
     out = eng.generate(ids, mask)
     return [out.completion_ids[i * n_per_prompt : (i + 1) * n_per_prompt] for i in range(len(PROMPTS))], out.stats
 
@@ -179,14 +185,20 @@ SAMPLING_SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("kind", HEAD_KINDS)
-@pytest.mark.parametrize("name", sorted(SAMPLING_SETTINGS))
-def test_sampling_distribution_is_exact(name, kind):
+def rule_cases():
+    """Every (setting, head kind, rule); the fast lane keeps each rule on two settings and both head kinds."""
+    fast = {"t1.0", "t1.0-rep-topk-topp"}
+    return [pytest.param(name, kind, rule, marks=() if name in fast else pytest.mark.slow)
+            for name in sorted(SAMPLING_SETTINGS) for kind in HEAD_KINDS for rule in RULES]
+
+
+@pytest.mark.parametrize("name,kind,rule", rule_cases())
+def test_sampling_distribution_is_exact(name, kind, rule):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
     heads = noisy_heads(model, std=0.4, seed=1, kind=kind)
     gc = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0,
                           **SAMPLING_SETTINGS[name])
-    samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5)
+    samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5, **RULES[rule])
     assert stats["accepted"] > 0.2 * stats["row_forwards"]  # drafts were really accepted
     for prompt, rows in zip(PROMPTS, samples):
         exact = exact_completion_distribution(model, prompt, gc)
@@ -214,7 +226,7 @@ def test_chi_square_detects_a_biased_verifier(monkeypatch):
     gc = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0, temperature=1.0,
                           top_k=0)
     monkeypatch.setattr(verify_mod, "match_tree", lossy_match)
-    samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5)
+    samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5, candidates="top-k")
     exact = exact_completion_distribution(model, PROMPTS[0], gc)
     counts_ok = all(tuple(s) in exact for s in samples[0])
     assert not counts_ok or chi_square_pvalue(samples[0], exact) < 1e-6
@@ -231,12 +243,13 @@ def nano_sampling_inputs(nano, num_prompts, seed, **generation):
     return prompts, ids, mask, gc
 
 
-def test_mean_accepted_length_matches_tree_path_probability(nano):
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_mean_accepted_length_matches_tree_path_probability(nano, rule):
     model, _, heads = nano
     _, ids, mask, gc = nano_sampling_inputs(nano, 96, seed=779, temperature=1.0, max_new_tokens=96)
     torch.manual_seed(0)
-    stats = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=10,
-                                 track_expected_acceptance=True).generate(ids, mask).stats
+    stats = SpeculativeGenerator(model, heads, gc, capacity=10**6, max_nodes=10, track_expected_acceptance=True,
+                                 **RULES[rule]).generate(ids, mask).stats
     accepted, expected = stats["accepted"], stats["expected_accepted"]
     assert expected > 500
     # accepted counts per row-step are bounded by the depth (4): the sum's std is below 2*sqrt(row steps)

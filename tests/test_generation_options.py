@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig
 
 from specroll_trl.engine.generator import SpeculativeGenerator
-from specroll_trl.engine.verify import UnsupportedProcessorsError
+from specroll_trl.engine.verify import UnsupportedOptionsError, UnsupportedProcessorsError
 from specroll_trl.experiments.zoo import task_prompt_ids
 
 from .conftest import left_padded, make_model
@@ -159,3 +159,23 @@ def test_unreproducible_option_is_refused_by_name_without_fallback():
     with pytest.raises(UnsupportedProcessorsError, match="forced_eos_token_id"):
         engine.generate(torch.tensor([[3, 4]]))
     assert not calls, "the model ran before the generation config was refused"
+
+
+@pytest.mark.parametrize("option,value", [("num_beams", 2), ("num_return_sequences", 2), ("penalty_alpha", 0.6),
+                                          ("stop_strings", ["="]), ("max_time", 5.0)])
+def test_decoding_options_the_engine_does_not_implement_are_refused_by_name(option, value):
+    model = make_model()
+    gc = GenerationConfig(do_sample=True, max_new_tokens=4, eos_token_id=1, pad_token_id=0, **{option: value})
+    with pytest.raises(UnsupportedOptionsError, match=option):
+        SpeculativeGenerator(model, noisy_heads(model, num_heads=2), gc, capacity=8)
+
+
+def test_beam_search_falls_back_to_generate_with_a_warning_naming_it():
+    model = make_model(vocab=32, scale=4.0, seed=3)
+    gc = GenerationConfig(do_sample=False, num_beams=2, max_new_tokens=6, eos_token_id=1, pad_token_id=0)
+    ids, mask = left_padded([[5, 6, 7], [3, 4]])
+    engine = SpeculativeGenerator(model, noisy_heads(model, num_heads=2), gc, fallback_to_generate=True)
+    with pytest.warns(UserWarning, match="num_beams"):
+        out = engine.generate(ids, mask)
+    assert out.stats.fallback and "num_beams" in out.stats.reason
+    assert out.completion_ids == generate_reference(model, ids, mask, gc)

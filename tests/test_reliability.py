@@ -80,6 +80,7 @@ def stress_case(draw):
         num_heads=draw(st.integers(1, 4)), head_std=draw(st.sampled_from([0.0, 0.3, 1.5])),
         capacity=draw(st.sampled_from([1, 6, 32, 10**6])), max_nodes=draw(st.integers(0, 10)),
         topk=draw(st.integers(1, 4)), run_seed=draw(st.integers(0, 2**16)),
+        candidates=draw(st.sampled_from(["drawn", "top-k"])), fixed=draw(st.integers(0, 2)),
     )
 
 
@@ -94,10 +95,10 @@ def test_stress_every_completion_is_well_formed_exact_and_reproducible(case):
     gc = GenerationConfig(max_new_tokens=case["max_new"], eos_token_id=eos or None, pad_token_id=0,
                           **case["sampling"])
     ids, mask = left_padded(case["prompts"])
-    engine = SpeculativeGenerator(model, heads, gc, capacity=case["capacity"], max_nodes=case["max_nodes"],
-                                  topk_per_head=case["topk"])
+    options = dict(capacity=case["capacity"], max_nodes=case["max_nodes"], topk_per_head=case["topk"],
+                   candidates=case["candidates"], fixed_children=min(case["fixed"], case["topk"]))
     torch.manual_seed(case["run_seed"])
-    out = engine.generate(ids, mask)
+    out = SpeculativeGenerator(model, heads, gc, **options).generate(ids, mask)
     rows = out.completion_ids
     assert len(rows) == len(case["prompts"])
     for row in rows:
@@ -105,8 +106,9 @@ def test_stress_every_completion_is_well_formed_exact_and_reproducible(case):
         assert all(isinstance(t, int) and 0 <= t < case["vocab"] for t in row)
         assert not any(t in eos for t in row[:-1]), "a completion runs past its first eos"
         assert len(row) == case["max_new"] or row[-1] in eos, "a completion stopped early without eos"
-    torch.manual_seed(case["run_seed"])
-    assert engine.generate(ids, mask).completion_ids == rows, "same seed, different completions"
+    torch.manual_seed(case["run_seed"])  # a fresh engine (drawn trees follow what an engine has verified before)
+    assert SpeculativeGenerator(model, heads, gc, **options).generate(ids, mask).completion_ids == rows, \
+        "same seed, different completions"
     if not case["sampling"]["do_sample"]:
         ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)[:, ids.shape[1]:].tolist()
         assert rows == cut_after_eos(ref, set(eos))

@@ -537,10 +537,11 @@ class RecordingTrainer(SpecGRPOTrainer):
 
 def test_your_step_hooks_run_every_round_log_their_metrics_and_keep_rollouts_exact(nano, tmp_path, dataset):
     hook = FlippedProposals()
-    mine = run(RecordingTrainer, small_args(tmp_path, max_steps=2), dataset, step_hooks=[hook])
-    plain = run(RecordingTrainer, small_args(tmp_path / "2", max_steps=2), dataset)
+    mine = run(RecordingTrainer, small_args(tmp_path, max_steps=2, spec_candidates="top-k"), dataset, step_hooks=[hook])
+    plain = run(RecordingTrainer, small_args(tmp_path / "2", max_steps=2, spec_candidates="top-k"), dataset)
     assert hook.starts == len(mine.rollouts) == 2  # one generation round per step here
-    # one uniform per completion position decides each token, whatever the tree: same seed, same rollouts
+    # top-k candidates: one uniform per completion position decides each token, whatever the tree: same seed, same
+    # rollouts
     assert mine.rollouts == plain.rollouts
     rows = [r for r in mine.state.log_history if "loss" in r]
     assert len(rows) == 2 and all(r["spec/mine/row_steps"] > 0 and r["spec/mine/seconds"] > 0 for r in rows)

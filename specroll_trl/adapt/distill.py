@@ -57,6 +57,8 @@ class HeadDistillConfig:
                 "'constant', 'linear' (to zero at the last step) or 'cosine'."})
     kl_weight: float = field(default=1.0, metadata={"help": "weight of ``KL(p || q_k)``."})
     nll_weight: float = field(default=1.0, metadata={"help": "weight of cross-entropy on the realised token."})
+    tv_weight: float = field(default=0.0, metadata={
+        "help": "weight of ``TV(p, q_k)`` (one minus what a child drawn from the head is accepted at)."})
     max_seconds: float | None = field(
         default=None, metadata={"help": "stop training early after this many seconds (``None``: no limit)."})
     eval_every: int = field(default=0, metadata={
@@ -94,7 +96,7 @@ class HeadDistillConfig:
             raise ValueError(f"eval_every must be >= 0 and patience >= 1, got {self.eval_every}, {self.patience}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
-        weights = {name: getattr(self, name) for name in ("kl_weight", "nll_weight")}
+        weights = {name: getattr(self, name) for name in ("kl_weight", "nll_weight", "tv_weight")}
         if any(w < 0 for w in weights.values()) or not any(weights.values()):
             raise ValueError(f"loss weights must be >= 0 and not all zero, got {weights}")
 
@@ -214,34 +216,42 @@ def head_losses(heads: SpeculativeHeads, projection: VocabProjection, stream: To
     """Per-head fit loss (:func:`records.head_fit_loss`, weighted as ``config`` says) of ``anchors`` of ``stream``."""
     weight = projection.lm_head.weight
     records = stream.records(anchors, heads.num_heads).to(weight.device, next(heads.parameters()).dtype)
-    return head_fit_loss(heads, projection, records, embed, config.kl_weight, config.nll_weight)
+    return head_fit_loss(heads, projection, records, embed, config.kl_weight, config.nll_weight, config.tv_weight)
 
 
 @torch.no_grad()
 def sequence_hits(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, ks=(1, 3, 5),
                   chunk: int = 4096, embed=None) -> dict[str, torch.Tensor]:
     """Per sequence of ``stream`` (``S`` of them) and head: ``hits [S, H, len(ks)]`` (anchors whose realised
-    ``x_{t+1+k}`` is in the head's top-k), the target's own top-k mass summed there (``mass``, same shape), and
-    ``counts [S, H]`` (valid anchors)."""
+    ``x_{t+1+k}`` is in the head's top-k), the target's own top-k mass summed there (``mass``, same shape),
+    ``accept [S, H]`` (summed ``sum_x min(p(x), q(x))`` over the target's stored top-K: ``1 - TV(p, q)``, what one
+    child drawn from ``q`` is accepted at, short of at most the target's mass outside its top-K) and ``counts [S, H]``
+    (valid anchors)."""
     anchors = stream.anchor_ok.nonzero().squeeze(-1)
     sequence = torch.unique(stream.seq_end, return_inverse=True)[1]
     num_seq, num_heads = int(sequence.max()) + 1 if len(sequence) else 0, heads.num_heads
     hits = torch.zeros(num_seq, num_heads, len(ks))
     mass = torch.zeros(num_seq, num_heads, len(ks))
+    accept = torch.zeros(num_seq, num_heads)
     counts = torch.zeros(num_seq, num_heads)
     for i in range(0, len(anchors), chunk):
         a = anchors[i : i + chunk]
         pos, token, valid = stream.targets(a, num_heads)
         records = stream.records(a, num_heads).to(projection.lm_head.weight.device, next(heads.parameters()).dtype)
-        top = projection(record_states(heads, records, embed)).topk(max(ks), dim=-1).indices
+        logits = projection(record_states(heads, records, embed)).float()
+        top = logits.topk(max(ks), dim=-1).indices
         match = projection.target_ids(top).cpu() == token[..., None]
+        index = projection.index_of(records.target_ids)
+        q_at = torch.softmax(logits, dim=-1).gather(-1, index.clamp(min=0)) * (index >= 0)
+        overlap = torch.minimum(records.target_probs.float(), q_at).sum(-1).cpu()
         cumulative = stream.top_probs[pos].cumsum(-1)
         seq = sequence[a]
         for j, k in enumerate(ks):
             hits[:, :, j].index_add_(0, seq, (match[..., :k].any(-1) & valid).float())
             mass[:, :, j].index_add_(0, seq, cumulative[..., k - 1] * valid)
+        accept.index_add_(0, seq, overlap * valid)
         counts.index_add_(0, seq, valid.float())
-    return {"hits": hits, "mass": mass, "counts": counts}
+    return {"hits": hits, "mass": mass, "accept": accept, "counts": counts}
 
 
 def head_hit_rates(heads: SpeculativeHeads, projection: VocabProjection, stream: TokenStream, ks=(1, 3, 5),
@@ -264,8 +274,12 @@ def hit_rate_intervals(per_sequence: dict[str, torch.Tensor], ks=(1, 3, 5), leve
     sequence are correlated, so they are resampled together)."""
     hits, counts = per_sequence["hits"], per_sequence["counts"]
     pick = torch.randint(len(counts), (resamples, len(counts)), generator=torch.Generator().manual_seed(seed))
-    rates = hits[pick].sum(1) / counts[pick].sum(1).clamp(min=1)[..., None]  # [R, H, len(ks)]
+    per_head = hits.dim() == 2  # one figure per head (``accept``), not one per k
+    totals = counts[pick].sum(1).clamp(min=1)
+    rates = hits[pick].sum(1) / (totals if per_head else totals[..., None])  # [R, H(, len(ks))]
     low, high = rates.quantile((1 - level) / 2, dim=0), rates.quantile((1 + level) / 2, dim=0)
+    if per_head:
+        return [[float(low[h]), float(high[h])] for h in range(hits.shape[1])]
     return [{k: [float(low[h, j]), float(high[h, j])] for j, k in enumerate(ks)} for h in range(hits.shape[1])]
 
 
@@ -400,13 +414,17 @@ def new_heads(model, stream: TokenStream, config: HeadDistillConfig) -> Speculat
 
 def measure_heads(heads: SpeculativeHeads, model, stream: TokenStream, ks=(1, 3, 5)) -> dict:
     """Held-out figures of ``heads`` on ``stream``: ``hit_rates``, their 95% ``hit_rate_ci`` (bootstrap over
-    sequences), the target's own ``target_mass``, ``heldout_tokens`` and the draft vocabulary's coverage of the
-    stream's tokens."""
+    sequences), ``drawn_accept`` per head (mean ``1 - TV(p, q)``, what a child drawn from ``q`` is accepted at) with
+    its ``drawn_accept_ci``, the target's own ``target_mass``, ``heldout_tokens`` and the draft vocabulary's coverage
+    of the stream's tokens."""
     projection, embed = heads.projection(lm_head_of(model)), model.get_input_embeddings()
     per_sequence = sequence_hits(heads, projection, stream, ks, embed=embed)
+    accept = per_sequence["accept"].sum(0) / per_sequence["counts"].sum(0).clamp(min=1)
     return {
         "hit_rates": _rates(per_sequence, "hits", ks),
         "hit_rate_ci": hit_rate_intervals(per_sequence, ks),
+        "drawn_accept": accept.tolist(),
+        "drawn_accept_ci": hit_rate_intervals({"hits": per_sequence["accept"], "counts": per_sequence["counts"]}),
         "target_mass": _rates(per_sequence, "mass", ks),
         "heldout_tokens": int(stream.anchor_ok.sum()),
         "draft_vocab_coverage": None if heads.draft_ids is None else draft_vocab_coverage(heads.draft_ids.cpu(),
@@ -449,14 +467,18 @@ def save_distilled(heads: SpeculativeHeads, report: dict, folder) -> None:
     (Path(folder) / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-def format_hit_table(hit_rates: list[dict[int, float]], target_mass: list[dict] | None = None) -> str:
-    """Per head: top-k hit rates of the realised token, and beside them the target's own top-k mass (the most a
-    draft of k candidates is accepted at, on average) when given."""
+def format_hit_table(hit_rates: list[dict[int, float]], target_mass: list[dict] | None = None,
+                     drawn_accept: list[float] | None = None) -> str:
+    """Per head: top-k hit rates of the realised token, beside them (when given) the mean ``1 - TV(p, q)`` (what a
+    child drawn from the head is accepted at) and the target's own top-k mass (the most a draft of k fixed candidates
+    is accepted at, on average)."""
     ks = list(hit_rates[0])
-    lines = ["head  " + "  ".join(f"top-{k:<3}" for k in ks) + ("   target top-k mass" if target_mass else "")]
+    lines = ["head  " + "  ".join(f"top-{k:<3}" for k in ks) + ("  1-TV " if drawn_accept else "")
+             + ("   target top-k mass" if target_mass else "")]
     for h, rates in enumerate(hit_rates, start=1):
+        accept = f"  {100 * drawn_accept[h - 1]:5.1f}%" if drawn_accept else ""
         mass = ""
         if target_mass:
             mass = "   " + " / ".join(f"{100 * float(v):.0f}%" for v in target_mass[h - 1].values())
-        lines.append(f"{h:>4}  " + "  ".join(f"{100 * rates[k]:5.1f}%" for k in ks) + mass)
+        lines.append(f"{h:>4}  " + "  ".join(f"{100 * rates[k]:5.1f}%" for k in ks) + accept + mass)
     return "\n".join(lines)

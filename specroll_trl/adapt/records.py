@@ -51,15 +51,21 @@ def record_states(heads, records: HeadRecords, embed=None) -> torch.Tensor:
 
 
 def head_fit_loss(heads, projection: VocabProjection, records: HeadRecords, embed=None, kl_weight: float = 1.0,
-                  nll_weight: float = 1.0) -> torch.Tensor:
-    """Per head (``[H]``), the mean over valid anchors of ``kl_weight * KL(p || q) + nll_weight * CE(x_{t+1+k})``:
-    ``p`` the target's top-K renormalised within the heads' vocabulary, ``q`` the head's distribution over it."""
+                  nll_weight: float = 1.0, tv_weight: float = 0.0) -> torch.Tensor:
+    """Per head (``[H]``), the mean over valid anchors of ``kl_weight * KL(p || q) + nll_weight * CE(x_{t+1+k}) +
+    tv_weight * TV(p, q)``: ``p`` the target's top-K renormalised within the heads' vocabulary, ``q`` the head's
+    distribution over it. ``TV(p, q) = 1 - sum min(p, q)`` is one minus what a child drawn from ``q`` is accepted at
+    by rejection sampling."""
     logq = torch.log_softmax(projection(record_states(heads, records, embed)).float(), dim=-1)  # [N, H, V]
     index = projection.index_of(records.target_ids)
     p = records.target_probs * (index >= 0)
     p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
-    kl = (p * (p.clamp(min=1e-12).log() - logq.gather(-1, index.clamp(min=0)))).sum(-1)
+    logq_at = logq.gather(-1, index.clamp(min=0))
+    kl = (p * (p.clamp(min=1e-12).log() - logq_at)).sum(-1)
     realised = projection.index_of(records.tokens)
     nll = -logq.gather(-1, realised.clamp(min=0)[..., None]).squeeze(-1) * (realised >= 0)
+    loss = kl_weight * kl + nll_weight * nll
+    if tv_weight:
+        loss = loss + tv_weight * (1 - torch.minimum(p, logq_at.exp() * (index >= 0)).sum(-1))
     valid = records.valid.float()
-    return ((kl_weight * kl + nll_weight * nll) * valid).sum(0) / valid.sum(0).clamp(min=1)
+    return (loss * valid).sum(0) / valid.sum(0).clamp(min=1)

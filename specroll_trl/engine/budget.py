@@ -6,15 +6,19 @@
   ``t(B, N) = a + d [N > 0] + b N`` (``d``: the draft itself, heads and their vocabulary projection), fitted by
   exponentially weighted least squares on measured steps, starting from a prior that makes the first step draft;
 * gain: expected committed tokens per row ``g(N) = 1 + k_N A(N)``, where ``A(N)`` is the mean over rows of the best
-  ``N`` path scores of the tree (the heads' own estimate of each node's acceptance, summed) and ``k_N`` the observed
-  ratio of realised to predicted accepted nodes at width ``N`` (or the nearest width drafted);
+  ``N`` path scores of the tree (each node's estimated acceptance, summed: the heads' own probabilities for top-k
+  trees, reach probabilities under the measured acceptance by depth and rank for drawn ones) and ``k_N`` the observed
+  ratio of realised to predicted accepted nodes at width ``N`` (or the nearest width drafted), kept per verification
+  rule (``AcceptanceByWidth``);
 * the cost of a width already measured is mostly its own mean step time, the fit filling in the others;
-* each step takes ``argmax_N g(N) / t(B, N)`` (committed tokens per second), and now and then a neighbour of it or
-  a plain step, so that the cost of other widths keeps being measured (the less often the slower it is predicted);
-  the second step of every batch-size bucket is a plain one (``N = 0``), the anchor of its costs.
+* each step takes the rule and width of ``argmax g(N) / t(B, N)`` (committed tokens per second), and now and then a
+  neighbouring width, a plain step or the other rule, so that what is not chosen keeps being measured (the less
+  often the slower it is predicted); the second step of every batch-size bucket is a plain one (``N = 0``), the
+  anchor of its costs.
 
 ``FixedBudget`` is the formula of the method's paper, ``N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)``, for a
-user-set hardware capacity ``C_hw``. Either way the budget changes speed, never what is emitted.
+user-set hardware capacity ``C_hw`` (among several rules, the one predicted to accept most at that width). Either
+way the budget changes speed, never the distribution of what is emitted.
 """
 
 from __future__ import annotations
@@ -31,26 +35,106 @@ def node_budget(capacity: int, active_rows: int, max_nodes: int) -> int:
     return max(0, min(capacity // active_rows - 1, max_nodes))
 
 
-class NodeBudget:
-    """Chooses each step's draft nodes per row; the engine reports every step back."""
+class AcceptanceByWidth:
+    """Expected accepted draft nodes per row for ``N = 0..N_max`` under one verification rule: the trees' own
+    estimate (the best ``N`` path scores), scaled by the realised / predicted ratio measured at that width or, for a
+    width never drafted, at the nearest one that was (heads trained at another temperature misjudge deep nodes more
+    than shallow ones, so one ratio for all widths misprices both).
 
-    def choose(self, active_rows: int) -> int:
+    Args:
+        max_nodes: ``N_max``.
+        prior_accept: before any tree was seen, the acceptance of the ``j``-th best node is
+            ``prior_accept ** log2(j + 1)``.
+        forget: weight kept by older measurements at each new one.
+    """
+
+    def __init__(self, max_nodes: int, prior_accept: float = 0.6, forget: float = 0.97):
+        self.max_nodes, self.forget = max_nodes, forget
+        nodes = torch.arange(1, max_nodes + 1, dtype=torch.float64)
+        self.gain = torch.cat([torch.zeros(1, dtype=torch.float64), prior_accept ** torch.log2(nodes + 1)]).cumsum(0)
+        self.width_accept = torch.zeros(3, max_nodes + 1, dtype=torch.float64)  # weight, realised, predicted
+
+    def accepted(self) -> torch.Tensor:
+        weight, realised, predicted = self.width_accept
+        seen = (weight > 0).nonzero().squeeze(1)
+        if not len(seen):
+            return self.gain
+        nodes = torch.arange(self.max_nodes + 1)
+        nearest = seen[(nodes[:, None] - seen[None]).abs().argmin(1)]
+        return self.gain * realised[nearest] / predicted[nearest].clamp(min=1e-9)
+
+    def observe(self, num_nodes: int, accepted: float, path_scores: torch.Tensor) -> None:
+        k = min(self.max_nodes, path_scores.shape[-1])
+        best = path_scores.double().topk(k, dim=-1).values.exp().cumsum(-1).mean(0)  # A(N) for N = 1..k
+        curve = torch.cat([torch.zeros(1, dtype=torch.float64), best,
+                           best[-1].expand(self.max_nodes - k)])  # no more candidates past k
+        self.gain = 0.8 * self.gain + 0.2 * curve
+        self.width_accept *= self.forget
+        self.width_accept[:, num_nodes] += torch.tensor([1.0, accepted, float(curve[num_nodes])], dtype=torch.float64)
+
+
+class NodeBudget:
+    """Chooses each step's verification rule (among ``rules``) and draft nodes per row; the engine reports every step
+    back.
+
+    Args:
+        max_nodes: ``N_max``.
+        rules: the verification rules it may choose from (the engine's ``candidates`` names), the first preferred.
+        prior_accept, forget: of each rule's ``AcceptanceByWidth``.
+        explore: probability of trying something other than the best choice (see the subclasses).
+        seed: seeds those draws (a generator of its own: the sampling stream is untouched).
+    """
+
+    def __init__(self, max_nodes: int, rules: tuple[str, ...] = ("top-k",), prior_accept: float = 0.6,
+                 forget: float = 0.97, explore: float = 0.1, seed: int = 0):
+        self.max_nodes, self.rules, self.forget, self.explore = max_nodes, tuple(rules), forget, explore
+        self.rng = random.Random(seed)
+        self.prior_accept = prior_accept
+        self.by_rule = {rule: AcceptanceByWidth(max_nodes, prior_accept, forget) for rule in self.rules}
+
+    def plan(self, active_rows: int) -> tuple[str, int]:
+        """``(rule, nodes per row)`` for the next step."""
         raise NotImplementedError
 
+    def choose(self, active_rows: int) -> int:
+        """Draft nodes per row for the next step (its rule: ``plan``)."""
+        return self.plan(active_rows)[1]
+
+    def accepted(self, rule: str | None = None) -> torch.Tensor:
+        """Expected accepted draft nodes per row for ``N = 0..N_max`` under ``rule`` (default: the first)."""
+        return self.by_rule[rule or self.rules[0]].accepted()
+
     def observe(self, active_rows: int, num_nodes: int, seconds: float, accepted: float,
-                path_scores: torch.Tensor | None) -> None:
-        """One step: its nodes per row, wall seconds, mean accepted draft nodes per row, and (when it drafted) the
-        ``[B, P]`` log-scores of every candidate path (what the tree was chosen from)."""
+                path_scores: torch.Tensor | None, rule: str | None = None) -> None:
+        """One step: its nodes per row, wall seconds, mean accepted draft nodes per row, (when it drafted) the
+        ``[B, P]`` log-scores of every candidate path (what the tree was chosen from) and its rule."""
+        if path_scores is not None and num_nodes:
+            rule = rule or self.rules[0]
+            if rule not in self.by_rule:  # a rule the engine had to use (greedy decoding matches top-k candidates)
+                self.by_rule[rule] = AcceptanceByWidth(self.max_nodes, self.prior_accept, self.forget)
+            self.by_rule[rule].observe(num_nodes, accepted, path_scores)
+
+    @property
+    def calibration(self) -> float:
+        """Realised over predicted accepted nodes, over every rule and width drafted (recent steps weigh more)."""
+        _, realised, predicted = sum(r.width_accept for r in self.by_rule.values()).sum(1)
+        return float(realised / predicted) if predicted > 0 else 1.0
 
 
 class FixedBudget(NodeBudget):
-    """``node_budget`` with a fixed ``C_hw``."""
+    """``node_budget`` with a fixed ``C_hw``; among several rules, the one predicted to accept most at that width
+    (another one now and then, so that its acceptance keeps being measured)."""
 
-    def __init__(self, capacity: int, max_nodes: int):
-        self.capacity, self.max_nodes = capacity, max_nodes
+    def __init__(self, capacity: int, max_nodes: int, rules: tuple[str, ...] = ("top-k",), **options):
+        super().__init__(max_nodes, rules, **options)
+        self.capacity = capacity
 
-    def choose(self, active_rows: int) -> int:
-        return node_budget(self.capacity, active_rows, self.max_nodes)
+    def plan(self, active_rows: int) -> tuple[str, int]:
+        nodes = node_budget(self.capacity, active_rows, self.max_nodes)
+        best = max(self.rules, key=lambda rule: float(self.accepted(rule)[nodes]))
+        if len(self.rules) > 1 and nodes and self.rng.random() < self.explore:
+            best = self.rng.choice(self.rules)
+        return best, nodes
 
 
 class OnlineBudget(NodeBudget):
@@ -58,29 +142,26 @@ class OnlineBudget(NodeBudget):
 
     Args:
         max_nodes: ``N_max``.
+        rules: the verification rules to choose from (the first preferred on a tie).
         prior_capacity: query tokens per forward the prior assumes cost like one (sets the first steps' budget).
         prior_draft_cost: the prior's cost of drafting, as a share of a plain step.
         prior_accept: the prior's acceptance of the tree's ``j``-th best node is ``prior_accept ** log2(j + 1)``.
         forget: weight kept by older measurements at each new one (exponential forgetting).
-        explore: probability of trying a neighbouring width instead of the best one when the two are predicted as
-            fast; one predicted at ``r`` times the best's rate is tried ``r ** 4`` as often (on 2 CPU cores a
-            drafted node costs 2x a plain step at 32-64 rows: tried as often as a near tie, it cost ~2% of speed).
+        explore: probability of trying a neighbouring width (or the other rule at the best width) instead of the best
+            choice when the two are predicted as fast; one predicted at ``r`` times the best's rate is tried ``r ** 4``
+            as often (on 2 CPU cores a drafted node costs 2x a plain step at 32-64 rows: tried as often as a near
+            tie, it cost ~2% of speed).
         trust: measurements of one width needed before its own mean counts as much as the models' prediction.
         seed: seeds the exploration draws (a generator of its own: the sampling stream is untouched).
     """
 
-    def __init__(self, max_nodes: int, prior_capacity: int = 64, prior_draft_cost: float = 0.1,
-                 prior_accept: float = 0.6, forget: float = 0.97, explore: float = 0.1, trust: float = 2.0,
-                 seed: int = 0):
-        self.max_nodes = max_nodes
-        self.prior_capacity, self.prior_draft_cost = prior_capacity, prior_draft_cost
-        self.forget, self.explore, self.trust = forget, explore, trust
-        self.rng = random.Random(seed)
-        nodes = torch.arange(1, max_nodes + 1, dtype=torch.float64)
-        self.gain = torch.cat([torch.zeros(1, dtype=torch.float64), prior_accept ** torch.log2(nodes + 1)]).cumsum(0)
+    def __init__(self, max_nodes: int, rules: tuple[str, ...] = ("top-k",), prior_capacity: int = 64,
+                 prior_draft_cost: float = 0.1, prior_accept: float = 0.6, forget: float = 0.97, explore: float = 0.1,
+                 trust: float = 2.0, seed: int = 0):
+        super().__init__(max_nodes, rules, prior_accept, forget, explore, seed)
+        self.prior_capacity, self.prior_draft_cost, self.trust = prior_capacity, prior_draft_cost, trust
         self.fits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (X^T W X, X^T W t)
         self.width_seconds: dict[int, torch.Tensor] = {}  # bucket -> [2, N_max + 1]: (weight, weighted seconds)
-        self.width_accept = torch.zeros(3, max_nodes + 1, dtype=torch.float64)  # weight, realised, predicted
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -106,35 +187,25 @@ class OnlineBudget(NodeBudget):
         weight, seconds = self.width_seconds[bucket]
         return ((seconds + self.trust * model.clamp(min=1e-9)) / (weight + self.trust)).clamp(min=1e-9)
 
-    def accepted(self) -> torch.Tensor:
-        """Expected accepted draft nodes per row for ``N = 0..N_max``: the heads' own estimate (their best ``N``
-        path scores), scaled by the realised / predicted ratio measured at that width or, for a width never
-        drafted, at the nearest one that was (heads trained at another temperature misjudge deep nodes more
-        than shallow ones, so one ratio for all widths misprices both)."""
-        weight, realised, predicted = self.width_accept
-        seen = (weight > 0).nonzero().squeeze(1)
-        if not len(seen):
-            return self.gain
-        nodes = torch.arange(self.max_nodes + 1)
-        nearest = seen[(nodes[:, None] - seen[None]).abs().argmin(1)]
-        ratio = realised[nearest] / predicted[nearest].clamp(min=1e-9)
-        return self.gain * ratio
-
-    def choose(self, active_rows: int) -> int:
+    def plan(self, active_rows: int) -> tuple[str, int]:
         if active_rows <= 0:
-            return 0
+            return self.rules[0], 0
         measured = self.width_seconds.get(self._bucket(active_rows))
         if measured is not None and measured[0, 0] == 0:
-            return 0  # a plain step anchors the cost model: without one, every width looks as dear as the first tried
-        rate = (1.0 + self.accepted()) / self.cost(active_rows)
-        best = int(rate.argmax())
+            return self.rules[0], 0  # a plain step anchors the cost model: else every width looks as dear as the first
+        cost = self.cost(active_rows)
+        rate = torch.stack([(1.0 + self.accepted(rule)) / cost for rule in self.rules])  # [rules, N_max + 1]
+        flat = int(rate.argmax())
+        rule, best = divmod(flat, rate.shape[1])
         if self.rng.random() < self.explore:
-            other = self.rng.choice([0, max(0, best // 2), min(self.max_nodes, max(1, 2 * best))])
-            if self.rng.random() < float(rate[other] / rate[best]) ** 4:
-                return other
-        return best
+            others = [(rule, 0), (rule, max(0, best // 2)), (rule, min(self.max_nodes, max(1, 2 * best)))]
+            others += [(r, max(1, best)) for r in range(len(self.rules)) if r != rule]
+            other = self.rng.choice(others)
+            if self.rng.random() < float(rate[other] / rate[rule, best]) ** 4:
+                rule, best = other
+        return self.rules[rule], best
 
-    def observe(self, active_rows, num_nodes, seconds, accepted, path_scores):
+    def observe(self, active_rows, num_nodes, seconds, accepted, path_scores, rule=None):
         bucket = self._bucket(active_rows)
         x = self._features(torch.tensor(float(num_nodes), dtype=torch.float64))
         gram, moment = self.fits.get(bucket, (torch.zeros(3, 3, dtype=torch.float64),
@@ -144,26 +215,12 @@ class OnlineBudget(NodeBudget):
         width *= self.forget
         width[:, num_nodes] += torch.tensor([1.0, seconds], dtype=torch.float64)
         self.width_seconds[bucket] = width
-        if path_scores is None or num_nodes == 0:
-            return
-        k = min(self.max_nodes, path_scores.shape[-1])
-        best = path_scores.double().topk(k, dim=-1).values.exp().cumsum(-1).mean(0)  # A(N) for N = 1..k
-        curve = torch.cat([torch.zeros(1, dtype=torch.float64), best,
-                           best[-1].expand(self.max_nodes - k)])  # no more candidates past k
-        self.gain = 0.8 * self.gain + 0.2 * curve
-        self.width_accept *= self.forget
-        self.width_accept[:, num_nodes] += torch.tensor([1.0, accepted, float(curve[num_nodes])], dtype=torch.float64)
-
-    @property
-    def calibration(self) -> float:
-        """Realised over predicted accepted nodes, over every width drafted (recent steps weigh more)."""
-        _, realised, predicted = self.width_accept.sum(1)
-        return float(realised / predicted) if predicted > 0 else 1.0
+        super().observe(active_rows, num_nodes, seconds, accepted, path_scores, rule)
 
     def state(self) -> dict:
         """What the budget currently believes (for logging and tests)."""
-        return {"calibration": self.calibration, "gain": self.gain.tolist(), "accepted": self.accepted().tolist(),
+        return {"calibration": self.calibration, "accepted": {r: self.accepted(r).tolist() for r in self.rules},
                 "buckets": sorted(self.fits), "prior_capacity": self.prior_capacity}
 
 
-__all__ = ["FixedBudget", "NodeBudget", "OnlineBudget", "node_budget"]
+__all__ = ["AcceptanceByWidth", "FixedBudget", "NodeBudget", "OnlineBudget", "node_budget"]

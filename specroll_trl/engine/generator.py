@@ -26,13 +26,25 @@ from transformers import DynamicCache, GenerationConfig
 
 from .budget import FixedBudget, NodeBudget, OnlineBudget
 from .compat import any_rank_active, check_model_supported, should_sync
+from .drawn import AcceptanceByRank, DrawnDraft, draw_tree, expected_accepted_drawn, rejection_walk
 from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import DraftSlots, GenerationContext, StepFeedback, StepHook
 from .kvcache import RaggedCache
 from .tree import DraftTree, GrownTree, PathTable, grow_tree, select_tree
-from .verify import Emission, TargetDistribution, UnsupportedProcessorsError, emit, expected_accepted
+from .verify import (
+    Emission,
+    TargetDistribution,
+    UnsupportedOptionsError,
+    check_decoding_options,
+    cut,
+    emit,
+    expected_accepted,
+)
 
 logger = logging.getLogger(__name__)
+
+
+CANDIDATE_RULES = ("auto", "drawn", "top-k")
 
 
 @dataclass
@@ -40,7 +52,15 @@ class SpeculativeConfig:
     """Engine options.
 
     Args:
-        topk_per_head: candidates each head contributes at its depth (the tree's branching factor).
+        candidates: how a node's children are proposed and verified (``docs/engine.md``): ``"drawn"``, drawn from
+            the heads' distribution ``q`` and verified by recursive rejection sampling (``engine.drawn``; the tree's
+            shape follows the verifier's measured acceptance by depth and rank); ``"top-k"``, the heads' top-k,
+            verified by sample-then-match (what is emitted then does not depend on the drafts); ``"auto"``, each step
+            the one the node budget predicts to commit more tokens per second, from what both have been measured to
+            accept. Greedy decoding always matches top-k candidates.
+        fixed_children: with ``"drawn"``, how many children of each node are the top tokens of ``q`` (point masses
+            to the verifier) before the rest are drawn.
+        topk_per_head: children per node at most: the tree's branching factor.
         max_nodes: ``N_max``, draft nodes per row per step besides the root.
         capacity: ``None`` (default): the node budget is learnt online from the engine's own steps
             (:class:`OnlineBudget`); an int ``C_hw``: query tokens per forward the hardware absorbs at about the cost
@@ -57,6 +77,8 @@ class SpeculativeConfig:
             ``expected_accepted`` next to the realised ``accepted``): a bias detector for the verifier.
     """
 
+    candidates: str = "auto"
+    fixed_children: int = 0
     topk_per_head: int = 4
     max_nodes: int = 16
     capacity: int | None = None
@@ -67,12 +89,17 @@ class SpeculativeConfig:
     track_expected_acceptance: bool = False
 
     def __post_init__(self):
-        for name in ("topk_per_head", "max_nodes", "capacity"):
+        if self.candidates not in CANDIDATE_RULES:
+            raise ValueError(f"candidates must be one of {CANDIDATE_RULES}, got {self.candidates!r}")
+        for name in ("fixed_children", "topk_per_head", "max_nodes", "capacity"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if self.topk_per_head < 1:
             raise ValueError(f"topk_per_head must be >= 1, got {self.topk_per_head}")
+        if not 0 <= self.fixed_children <= self.topk_per_head:
+            raise ValueError(f"fixed_children must be in [0, topk_per_head={self.topk_per_head}], got "
+                             f"{self.fixed_children}")
         if self.max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
         if self.capacity is not None and self.capacity < 1:
@@ -96,6 +123,7 @@ class GenerationStats(Mapping):
         nodes_per_row: draft nodes per row, per step.
         active_rows: rows generating, per step.
         drafted_row_steps: row-steps that drafted at least one node.
+        drawn_row_steps: those whose candidates were drawn from the heads (the rest: top-k).
         accepted: draft nodes accepted (counted with ``track_expected_acceptance``).
         expected_accepted: their expectation under the target (likewise).
         sync_forwards: throwaway forwards that kept this rank in step with the others.
@@ -115,6 +143,7 @@ class GenerationStats(Mapping):
     nodes_per_row: list[int] = field(default_factory=list)
     active_rows: list[int] = field(default_factory=list)
     drafted_row_steps: int = 0
+    drawn_row_steps: int = 0
     accepted: int = 0
     expected_accepted: float = 0.0
     sync_forwards: int = 0
@@ -206,6 +235,8 @@ class Draft:
     z: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
     grown: GrownTree | None = None
+    drawn: DrawnDraft | None = None
+    rule: str = "top-k"
 
     def proposals(self, accepted: torch.Tensor):
         """``(z, candidates, proposed)`` of ``StepFeedback`` once the accepted paths are known."""
@@ -222,8 +253,8 @@ class Verification:
 
     logits: torch.Tensor  # [B_t, n, V]
     hidden: torch.Tensor  # [B_t, n, D]
-    sampled: torch.Tensor  # [B_t, n] one sample per node
-    probs: torch.Tensor  # [B_t, n, V] the distribution each sample came from
+    sampled: torch.Tensor | None  # [B_t, n] one sample per node (top-k candidates; None for drawn ones)
+    probs: torch.Tensor  # [B_t, n, V] the target's processed distribution at every node
 
 
 @contextmanager
@@ -274,6 +305,8 @@ class SpeculativeGenerator:
         self.hooks = list(hooks or [])
         self.config = config or SpeculativeConfig(**options)
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
+        if not self.config.fallback_to_generate:
+            check_decoding_options(self.generation_config)  # beams, several sequences, ...: refused, never ignored
         self.lm_head = lm_head_of(model)
         heads.check_compatible(model)
         check_topk_fits(self.config.topk_per_head, heads)
@@ -281,8 +314,11 @@ class SpeculativeGenerator:
         # independent heads pick them from a static table of every candidate path (``select_tree``)
         self.embed = model.get_input_embeddings() if heads.reads_path else None
         self.table = None if self.embed is not None else PathTable.build(heads.num_heads, self.config.topk_per_head)
-        self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes) if self.config.capacity is None
-                                   else FixedBudget(self.config.capacity, self.config.max_nodes))
+        rules = ("drawn", "top-k") if self.config.candidates == "auto" else (self.config.candidates,)
+        self.budget: NodeBudget = (OnlineBudget(self.config.max_nodes, rules) if self.config.capacity is None
+                                   else FixedBudget(self.config.capacity, self.config.max_nodes, rules))
+        # what the rejection verifier accepts by depth and rank: the shape of drawn trees (kept across calls)
+        self.acceptance = AcceptanceByRank(heads.num_heads, self.config.topk_per_head)
         self.supported_error: str | None = None
         self._warned_options: set[tuple[str, ...]] = set()
         try:
@@ -334,8 +370,8 @@ class SpeculativeGenerator:
             return self._fallback(input_ids, attention_mask, gen, max_new, start)
         gen.max_new_tokens = max_new
         try:
-            target = TargetDistribution(self.model, gen, attention_mask)  # refuses unreproducible processors first
-        except UnsupportedProcessorsError as err:
+            target = TargetDistribution(self.model, gen, attention_mask)  # refuses what it cannot reproduce first
+        except UnsupportedOptionsError as err:
             if not self.config.fallback_to_generate:
                 raise
             if tuple(err.options) not in self._warned_options:
@@ -352,7 +388,7 @@ class SpeculativeGenerator:
         while self._has_work(state, synced, stats):
             step_start = time.perf_counter()
             draft = self._draft(state, hooks, stats)
-            verdict = self._verify(state, draft.tree)
+            verdict = self._verify(state, draft.tree, draft.drawn is not None)
             step = self._commit(state, draft, verdict, stats)
             hooks.call("feedback", step)
             self._observe_budget(draft, step, step_start)
@@ -408,22 +444,54 @@ class SpeculativeGenerator:
     def _draft(self, state: DecodeState, hooks: TimedHooks, stats: GenerationStats) -> Draft:
         """The heads' candidates (after the hooks' adjustments) and the best ``N_t`` tree nodes per row."""
         active = state.rows.numel()
-        num_nodes = self.budget.choose(active)
+        rule, num_nodes = self.budget.plan(active)
         stats.nodes_per_row.append(num_nodes)
         stats.active_rows.append(active)
         if not num_nodes:
             return Draft(select_tree(state.root, None, None, self.table, 0, self.heads.num_heads), 0)
+        if rule == "drawn" and state.target.do_sample:  # greedy decoding matches top-k candidates
+            stats.drawn_row_steps += active
+            return self._draw(state, hooks, num_nodes)
         if self.embed is not None:
             grown = grow_tree(state.root, state.hidden, self._head_step(state, hooks), self.embed,
                               self.heads.num_heads, self.config.topk_per_head, num_nodes)
             return Draft(grown.tree, num_nodes, grown=grown)
-        slots = DraftSlots.all_heads(self.heads.num_heads, state.rows.device)
-        z = hooks.chain("adjust", state.rows, self.heads(state.hidden), slots)  # [B, H, D]
-        head_logp = hooks.chain("adjust_logprobs", state.rows,
-                                torch.log_softmax(state.projection(z).float(), dim=-1), slots)
+        z, head_logp = self._independent_proposals(state, hooks)
         topk_logp, topk_index = head_logp.topk(self.config.topk_per_head, dim=-1)
         topk_ids = state.projection.target_ids(topk_index)
         return Draft(select_tree(state.root, topk_ids, topk_logp, self.table, num_nodes), num_nodes, z, topk_ids)
+
+    def _independent_proposals(self, state: DecodeState, hooks: TimedHooks):
+        """Independent heads' states ``z [B, H, D]`` and log-probabilities ``[B, H, V']``, all heads at once, after the
+        hooks."""
+        slots = DraftSlots.all_heads(self.heads.num_heads, state.rows.device)
+        z = hooks.chain("adjust", state.rows, self.heads(state.hidden), slots)  # [B, H, D]
+        return z, hooks.chain("adjust_logprobs", state.rows, torch.log_softmax(state.projection(z).float(), dim=-1),
+                              slots)
+
+    def _draw(self, state: DecodeState, hooks: TimedHooks, num_nodes: int) -> Draft:
+        """A tree of the shape the verifier's measured acceptance favours, its children drawn from the heads' ``q``."""
+        shape = self.acceptance.shape(num_nodes, state.rows.device)
+        fixed, to_ids = self.config.fixed_children, state.projection.target_ids
+        vocab = self.heads.config.vocab_size
+        if self.embed is not None:
+            step = self._head_step(state, hooks)
+
+            def propose(depth, frontier, path, path_tokens):
+                z, logp, _ = step(depth, state.hidden[:, None].expand(-1, frontier.numel(), -1), path, path_tokens)
+                return z, logp
+
+            drawn = draw_tree(state.root, shape, propose, to_ids, vocab, fixed, self.embed, self.heads.num_heads)
+            return Draft(drawn.tree, shape.size - 1, grown=drawn.grown, drawn=drawn, rule="drawn")
+        z, head_logp = self._independent_proposals(state, hooks)
+
+        def propose(depth, frontier, path, path_tokens):
+            f = frontier.numel()
+            return z[:, None, depth - 1].expand(-1, f, -1), head_logp[:, None, depth - 1].expand(-1, f, -1)
+
+        drawn = draw_tree(state.root, shape, propose, to_ids, vocab, fixed, None, self.heads.num_heads)
+        candidates = to_ids(head_logp.topk(self.config.topk_per_head, dim=-1).indices)
+        return Draft(drawn.tree, shape.size - 1, z, candidates, drawn=drawn, rule="drawn")
 
     def _head_step(self, state: DecodeState, hooks: TimedHooks):
         """One depth of a path-heads tree: head ``d`` over the frontier's paths -> its states and log-probabilities,
@@ -438,8 +506,9 @@ class SpeculativeGenerator:
 
         return step
 
-    def _verify(self, state: DecodeState, tree: DraftTree) -> Verification:
-        """One target forward over every row's root + tree, and one sample per node from its processed distribution."""
+    def _verify(self, state: DecodeState, tree: DraftTree, drawn: bool = False) -> Verification:
+        """One target forward over every row's root + tree, every node's processed distribution, and (top-k
+        candidates) one sample per node from it."""
         kv, active, n = state.kv, state.rows.numel(), tree.size
         with final_hidden_of(self.lm_head) as final:
             out = self.model(input_ids=tree.tokens, position_ids=kv.lengths[:, None] + tree.depth,
@@ -448,8 +517,6 @@ class SpeculativeGenerator:
         logits = out.logits  # [B, n, V]
         state.steps += 1
         self._check_finite(logits, state.steps, state.rows)
-        position = (state.done_len[state.rows][:, None] + tree.depth).clamp(max=state.max_new - 1)  # what it samples
-        uniforms = state.uniforms[state.rows[:, None], position].reshape(-1)
         flat = logits.reshape(active * n, -1)
         if state.target.needs_sequences:
             scores = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
@@ -459,6 +526,10 @@ class SpeculativeGenerator:
             scores = state.target.scores(flat, *self._node_input_ids(state, tree))
         else:
             scores = state.target.scores(flat, None, None)
+        if drawn and tree.size > 1:
+            return Verification(logits, final[-1], None, torch.softmax(scores, dim=-1).view(active, n, -1))
+        position = (state.done_len[state.rows][:, None] + tree.depth).clamp(max=state.max_new - 1)  # what it samples
+        uniforms = state.uniforms[state.rows[:, None], position].reshape(-1)
         sampled, probs = state.target.sample(scores, uniforms)
         return Verification(logits, final[-1], sampled.view(active, n), probs.view(active, n, -1))
 
@@ -467,7 +538,16 @@ class SpeculativeGenerator:
         """Write each row's emitted tokens (and their logprobs), keep the accepted KV entries, count."""
         rows, tree = state.rows, draft.tree
         root_index = state.done_len[rows] - 1
-        step = emit(tree, verdict.sampled, state.eos, state.max_new - state.done_len[rows])
+        room = state.max_new - state.done_len[rows]
+        if verdict.sampled is None:
+            shape = draft.drawn.shape
+            uniforms = torch.rand((rows.numel(), shape.max_depth + 2, shape.children.shape[1]), device=rows.device,
+                                  dtype=torch.float64)
+            outcome = rejection_walk(draft.drawn, verdict.probs, self.config.fixed_children, uniforms)
+            self.acceptance.observe(outcome.alpha_sum, outcome.tried)
+            step = cut(tree, outcome.accepted, outcome.next_root, state.eos, room)
+        else:
+            step = emit(tree, verdict.sampled, state.eos, room)
         j = torch.arange(step.tokens.shape[1], device=rows.device)[None]
         write = j < step.count[:, None]
         row_of = rows[:, None].expand_as(write)[write]
@@ -483,7 +563,8 @@ class SpeculativeGenerator:
         z, candidates, proposed = draft.proposals(step.accepted) if self.hooks else (None, None, None)
         return StepFeedback(rows=rows, root_index=root_index, z=z, candidates=candidates, tree=tree,
                             probs=verdict.probs, accepted=step.accepted, emitted=step.tokens, count=step.count,
-                            finished=step.finished, hidden=state.hidden, proposed=proposed)
+                            finished=step.finished, hidden=state.hidden, proposed=proposed,
+                            next_root=step.next_root)
 
     def _count(self, state: DecodeState, stats: GenerationStats, draft: Draft, verdict: Verification,
                step: Emission) -> None:
@@ -498,7 +579,9 @@ class SpeculativeGenerator:
         depths = torch.arange(self.heads.num_heads, device=num_acc.device)
         state.accepted_at_depth += (num_acc[:, None] > depths).sum(0)
         if self.config.track_expected_acceptance:
-            stats.expected_accepted += float(expected_accepted(draft.tree, verdict.probs).sum())
+            expected = (expected_accepted(draft.tree, verdict.probs) if draft.drawn is None
+                        else expected_accepted_drawn(draft.drawn, verdict.probs, self.config.fixed_children))
+            stats.expected_accepted += float(expected.sum())
             stats.accepted += int(num_acc.sum())
 
     def _observe_budget(self, draft: Draft, step: StepFeedback, start: float) -> None:
@@ -506,14 +589,17 @@ class SpeculativeGenerator:
         if step.count.is_cuda:
             torch.cuda.synchronize()
         accepted = float(((step.accepted >= 0).sum(1) - 1).double().mean())
-        self.budget.observe(step.count.numel(), draft.num_nodes, time.perf_counter() - start, accepted,
-                            draft.tree.path_scores)
+        scores = draft.tree.path_scores
+        if draft.drawn is not None:  # every width's tree is a prefix of the widest one's
+            scores = self.acceptance.shape(self.config.max_nodes, scores.device).log_reach[None, 1:]
+        self.budget.observe(step.count.numel(), draft.num_nodes, time.perf_counter() - start, accepted, scores,
+                            draft.rule)
 
     def _retire(self, state: DecodeState, step: StepFeedback, verdict: Verification) -> None:
         """Advance every row to its next root (and the hidden state that produced it); drop finished rows."""
         last = step.accepted.gather(1, ((step.accepted >= 0).sum(1) - 1)[:, None]).squeeze(1)
         state.hidden = verdict.hidden.gather(1, last[:, None, None].expand(-1, 1, verdict.hidden.shape[-1])).squeeze(1)
-        state.root = verdict.sampled.gather(1, last[:, None]).squeeze(1)
+        state.root = step.next_root
         if step.finished.any():
             self._keep(state, ~step.finished)
 

@@ -106,6 +106,7 @@ class StepFeedback:
         finished: ``[B]`` rows that finished this step (they leave the batch after the hooks ran).
         hidden: ``[B, D]`` the target's final hidden state ``h_t`` the heads read this step (independent heads' ``z``
             is ``heads(hidden)`` before ``adjust``); given even when the step drafted nothing.
+        next_root: ``[B]`` the token sampled after the accepted path (the next step's root, not yet committed).
     """
 
     rows: torch.Tensor
@@ -120,6 +121,7 @@ class StepFeedback:
     finished: torch.Tensor
     hidden: torch.Tensor | None = None
     proposed: torch.Tensor | None = None
+    next_root: torch.Tensor | None = None
 
 
 class StepHook:

@@ -1,13 +1,17 @@
-"""Lossless sample-then-match verification, and what a verified step emits.
+"""The target's per-node distribution, and what a verified step emits; sample-then-match for top-k candidates.
 
-For every tree node ``v`` the target distribution ``p_v`` is built with Hugging Face's own logits
-processors, exactly as ``model.generate`` builds them for the same ``GenerationConfig`` (fp32; input ids =
-prompt + committed completion + path to ``v``; processors that read only the *set* of ids get a cheaper
-filler-padded copy). One sample ``y_v ~ p_v`` is drawn per node; starting at
-the root we descend into the child whose token equals ``y_v`` and stop at the first node without one,
-emitting its ``y_v``. Children of a node are distinct tokens fixed before sampling, so the accepted path
-is unique and every emitted token is distributed exactly as the target would sample it. The head's own
-probabilities never enter the acceptance decision.
+For every tree node ``v`` the target distribution ``p_v`` is built with Hugging Face's own logits processors, exactly
+as ``model.generate`` builds them for the same ``GenerationConfig`` (fp32; input ids = prompt + committed
+completion + path to ``v``; processors that read only the *set* of ids get a cheaper filler-padded copy); options
+the engine cannot reproduce (beam search, several sequences, unsupported processors) are refused by name.
+
+Top-k candidates (children fixed before sampling, distinct tokens): one sample ``y_v ~ p_v`` is drawn per node;
+starting at the root we descend into the child whose token equals ``y_v`` and stop at the first node without one,
+emitting its ``y_v``. The accepted path is unique and every emitted token is distributed exactly as the target
+would sample it; a node accepts with ``p_v``'s mass on its children. The head's own probabilities never enter the
+decision (with ``min(1, p/q)`` top-k candidates would be biased). Candidates drawn from the heads' ``q`` are
+verified by rejection sampling instead (``drawn.py``); ``cut`` turns either rule's accepted path into what a row
+emits.
 """
 
 from __future__ import annotations
@@ -78,16 +82,51 @@ PROCESSOR_OPTIONS = {
 }
 
 
-class UnsupportedProcessorsError(ValueError):
+# Decoding strategies and stopping rules the engine does not implement: ``option -> is it in use``.
+UNSUPPORTED_OPTIONS = {
+    "num_beams": lambda v: v is not None and v > 1,
+    "num_beam_groups": lambda v: v is not None and v > 1,
+    "diversity_penalty": lambda v: bool(v),
+    "penalty_alpha": lambda v: v is not None and v > 0,
+    "dola_layers": lambda v: v is not None,
+    "num_return_sequences": lambda v: v is not None and v > 1,
+    "constraints": lambda v: bool(v),
+    "force_words_ids": lambda v: bool(v),
+    "stop_strings": lambda v: bool(v),
+    "max_time": lambda v: v is not None,
+    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "token_healing": lambda v: bool(v),
+}
+
+
+class UnsupportedOptionsError(ValueError):
+    """The generation config asks for something the engine does not implement; ``options`` names the
+    ``GenerationConfig`` options."""
+
+    def __init__(self, options: list[str], message: str | None = None):
+        self.options = sorted(options)
+        super().__init__(message or f"generation option(s) {self.options} are not implemented by the speculative "
+                                    "engine (it samples or decodes greedily, one sequence per prompt, to eos or "
+                                    "max_new_tokens); unset them or use model.generate")
+
+
+def check_decoding_options(generation_config: GenerationConfig) -> None:
+    """Raise ``UnsupportedOptionsError`` naming every option of ``generation_config`` the engine would otherwise
+    ignore (beam search, contrastive search, several sequences per prompt, stop strings, ...)."""
+    used = [name for name, in_use in UNSUPPORTED_OPTIONS.items() if in_use(getattr(generation_config, name, None))]
+    if used:
+        raise UnsupportedOptionsError(used)
+
+
+class UnsupportedProcessorsError(UnsupportedOptionsError):
     """The generation config needs logits processors the engine cannot reproduce per tree node; ``options`` names
     the ``GenerationConfig`` options behind them."""
 
     def __init__(self, processors: list[str]):
-        self.options = sorted({PROCESSOR_OPTIONS.get(name, name) for name in processors})
-        super().__init__(
-            f"generation option(s) {self.options} need logits processors the speculative engine cannot reproduce "
-            f"per tree node ({processors}). Supported: {[c.__name__ for c in SUPPORTED_PROCESSORS]}"
-        )
+        options = sorted({PROCESSOR_OPTIONS.get(name, name) for name in processors})
+        super().__init__(options, f"generation option(s) {options} need logits processors the speculative engine "
+                                  f"cannot reproduce per tree node ({processors}). Supported: "
+                                  f"{[c.__name__ for c in SUPPORTED_PROCESSORS]}")
 
 
 class TargetDistribution:
@@ -96,6 +135,7 @@ class TargetDistribution:
     def __init__(self, model, generation_config: GenerationConfig, prompt_attention_mask: torch.Tensor):
         # generate() first merges the model's own generation config and library defaults (e.g. top_k=50)
         generation_config, _ = model._prepare_generation_config(generation_config)
+        check_decoding_options(generation_config)
         model._prepare_special_tokens(generation_config, kwargs_has_attention_mask=True,
                                       device=prompt_attention_mask.device)
         self.generation_config = generation_config
@@ -215,11 +255,18 @@ def emit(tree: DraftTree, sampled: torch.Tensor, eos: torch.Tensor, room: torch.
     """Follow each row's tree along the target's samples (``match_tree``) and cut what it emits at the first eos
     (any id in ``eos``) and at ``room [B]``, the completion tokens the row may still add."""
     accepted = match_tree(tree, sampled)
+    last = accepted.gather(1, ((accepted >= 0).sum(1) - 1)[:, None]).squeeze(1)
+    return cut(tree, accepted, sampled.gather(1, last[:, None]).squeeze(1), eos, room)
+
+
+def cut(tree: DraftTree, accepted: torch.Tensor, next_root: torch.Tensor, eos: torch.Tensor,
+        room: torch.Tensor) -> Emission:
+    """What a row emits for its ``accepted [B, D+1]`` path (root first, ``-1`` past its end) and the token sampled
+    after it, ``next_root [B]`` (whatever rule verified the tree), cut at the first eos and at ``room [B]``."""
     num_acc = (accepted >= 0).sum(1)
     last = accepted.gather(1, (num_acc - 1)[:, None]).squeeze(1)
-    next_root = sampled.gather(1, last[:, None]).squeeze(1)
     width = accepted.shape[1]
-    j = torch.arange(width, device=sampled.device)
+    j = torch.arange(width, device=accepted.device)
     after = torch.cat([accepted[:, 1:], accepted.new_full((accepted.shape[0], 1), -1)], dim=1)
     tokens = torch.where(j[None] < num_acc[:, None] - 1, tree.tokens.gather(1, after.clamp(min=0)), next_root[:, None])
     is_eos = torch.isin(tokens, eos) & (j[None] < num_acc[:, None])

@@ -43,11 +43,12 @@ def _vanilla(model, ids, mask, gc, **generate_kwargs) -> tuple[float, int]:
 
 def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64), repeats: int = 3,
                      max_new_tokens: int = 256, temperatures: Sequence[float] = (0.7, 1.0), max_nodes: int = 16,
-                     fixed_nodes: Sequence[int] = (0, 2, 4, 8), task: str | None = None,
+                     fixed_nodes: Sequence[int] = (0, 2, 4, 8), rules: Sequence[str] = (), task: str | None = None,
                      dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = True) -> list[dict]:
     """One record per (temperature, batch size, mode): TRL's ``generate`` against the engine with the online node
-    budget (``spec``), with a fixed number of draft nodes per row (``fixed_N``; ``fixed_0`` is the engine's loop
-    without drafting) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch 1). Each repeat
+    budget and its defaults (``spec``), with the online budget held to one verification rule (``spec_<rule>``, for
+    each of ``rules``: ``top-k``, ``drawn``), with a fixed number of draft nodes per row (``fixed_N``; ``fixed_0`` is
+    the engine's loop without drafting) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch 1). Each repeat
     is one alternating round on its own prompts (a pretrained preset's: GSM8K-test chat prompts from row 1000 on,
     never used for its heads), the same prompts and seed for every mode; records hold medians and the spread over
     repeats. Each engine keeps its budget across calls, as in a training run, after one untimed warm-up call per
@@ -61,6 +62,8 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
     for temperature in temperatures:
         gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)
         modes = {"spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes)}
+        modes.update({f"spec_{rule}": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, candidates=rule)
+                      for rule in rules})
         modes.update({f"fixed_{n}": SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9)
                       for n in fixed_nodes})
         for batch_size in batch_sizes:

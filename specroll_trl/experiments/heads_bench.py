@@ -23,6 +23,16 @@ from .tasks import chat_prompt, gsm8k_examples
 BENCH_ROW = 1000  # first GSM8K-test row of the benches' prompts (the heads' held-out set is rows 0-47)
 
 
+def rule_options(rule: str) -> dict:
+    """Engine options of a verification rule named ``top-k``, ``drawn`` or ``drawn+F`` (``F`` fixed children)."""
+    if rule == "top-k":
+        return dict(candidates="top-k")
+    name, _, fixed = rule.partition("+")
+    if name != "drawn" or (fixed and not fixed.isdigit()):
+        raise ValueError(f"unknown rule {rule!r}: top-k, drawn or drawn+F (F top-of-q children per node)")
+    return dict(candidates="drawn", fixed_children=int(fixed or 0))
+
+
 def bench_prompts(tokenizer, n: int, start: int = BENCH_ROW) -> list[list[int]]:
     """``n`` GSM8K-test chat prompts from row ``start`` on."""
     rows = gsm8k_examples("test", limit=start + n)[start:]
@@ -34,28 +44,37 @@ def bench_prompts(tokenizer, n: int, start: int = BENCH_ROW) -> list[list[int]]:
 @torch.no_grad()
 def tau_sweep(model, tokenizer, heads: dict[str, str | Path], node_counts=(2, 4, 8, 16, 32), temperatures=(0.7, 1.0),
               num_prompts: int = 8, max_new_tokens: int = 256, topk_per_head: int = 4, seed: int = 0,
-              device: str = "cpu", progress: bool = True) -> list[dict]:
-    """One record per (heads, temperature, nodes): ``tau``, ``accept_per_head``, tokens and forwards, on the same
-    prompts and seed for every heads folder in ``heads`` (name -> folder)."""
+              rules=("top-k",), groups: int = 1, device: str = "cpu", progress: bool = True) -> list[dict]:
+    """One record per (heads, rule, temperature, nodes, prompt group): ``tau``, ``accept_per_head``, tokens and
+    forwards, on the same prompts and seed for every heads folder in ``heads`` (name -> folder) and verification rule
+    (``rule_options``). The prompts run as ``groups`` consecutive batches (``group`` in the records), so that a
+    median over groups comes with the pooled figure."""
     model = model.to(device)
-    ids, mask = (t.to(model.device) for t in left_pad(bench_prompts(tokenizer, num_prompts), tokenizer.pad_token_id))
+    prompts = bench_prompts(tokenizer, num_prompts)
+    size = -(-num_prompts // groups)
+    batches = [tuple(t.to(model.device) for t in left_pad(prompts[i:i + size], tokenizer.pad_token_id))
+               for i in range(0, num_prompts, size)]
     records = []
     for name, folder in heads.items():
         loaded = SpeculativeHeads.from_pretrained(folder, device=model.device, dtype=model.dtype)
         for temperature in temperatures:
             gc = sampling_config(model, temperature, max_new_tokens)
             for nodes in node_counts:
-                engine = SpeculativeGenerator(model, loaded, gc, capacity=10**9, max_nodes=nodes,
-                                              topk_per_head=topk_per_head)
-                torch.manual_seed(seed)
-                stats = engine.generate(ids, mask).stats
-                records.append({"heads": name, "kind": loaded.config.kind, "temperature": temperature,
-                                "nodes": nodes, "tau": stats.tau, "accept_per_head": stats.accept_per_head,
-                                "tokens": stats.tokens, "row_forwards": stats.row_forwards,
-                                "prompts": num_prompts, "max_new_tokens": max_new_tokens, "seconds": stats.seconds})
-                if progress:
-                    print(f"{name:<24} T={temperature} nodes {nodes:>2}: tau {stats.tau:.2f}  accept/depth "
-                          + " ".join(f"{a:.2f}" for a in stats.accept_per_head), flush=True)
+                for rule in rules:
+                    for group, (ids, mask) in enumerate(batches):
+                        engine = SpeculativeGenerator(model, loaded, gc, capacity=10**9, max_nodes=nodes,
+                                                      topk_per_head=topk_per_head, **rule_options(rule))
+                        torch.manual_seed(seed)
+                        stats = engine.generate(ids, mask).stats
+                        records.append({"heads": name, "kind": loaded.config.kind, "rule": rule,
+                                        "temperature": temperature, "nodes": nodes, "group": group, "tau": stats.tau,
+                                        "accept_per_head": stats.accept_per_head, "tokens": stats.tokens,
+                                        "row_forwards": stats.row_forwards, "prompts": len(ids),
+                                        "max_new_tokens": max_new_tokens, "seconds": stats.seconds})
+                        if progress:
+                            print(f"{name:<24} {rule:<8} T={temperature} nodes {nodes:>2} group {group}: tau "
+                                  f"{stats.tau:.2f}  accept/depth " + " ".join(f"{a:.2f}" for a in
+                                                                             stats.accept_per_head), flush=True)
     return records
 
 
@@ -96,17 +115,20 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
 
 
 def plot_heads(records: list[dict], path: str | Path) -> None:
-    """tau against draft nodes per row, one line per heads set and temperature; with the step-cost records, the
-    break-even tau at each batch size (dotted)."""
+    """tau against draft nodes per row (pooled over prompt groups), one line per heads set, rule and temperature; with
+    the step-cost records, the break-even tau at each batch size (dotted)."""
     from .plots import pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     taus = [r for r in records if "tau" in r]
-    for name, temperature in dict.fromkeys((r["heads"], r["temperature"]) for r in taus):
-        rows = [r for r in taus if r["heads"] == name and r["temperature"] == temperature]
-        ax.plot([r["nodes"] for r in rows], [r["tau"] for r in rows], marker="o",
-                ls="-" if temperature == 0.7 else "--", label=f"{name}, T={temperature}")
+    for name, rule, temperature in dict.fromkeys((r["heads"], r.get("rule"), r["temperature"]) for r in taus):
+        rows = [r for r in taus if r["heads"] == name and r.get("rule") == rule and r["temperature"] == temperature]
+        nodes = list(dict.fromkeys(r["nodes"] for r in rows))
+        pooled = [sum(r["tokens"] for r in rows if r["nodes"] == n) / sum(r["row_forwards"] for r in rows
+                                                                         if r["nodes"] == n) for n in nodes]
+        ax.plot(nodes, pooled, marker="o",
+                ls="-" if temperature == 0.7 else "--", label=f"{name}{f', {rule}' if rule else ''}, T={temperature}")
     costs = [r for r in records if "break_even_tau" in r]
     for batch in dict.fromkeys(r["batch_size"] for r in costs):
         rows = [r for r in costs if r["batch_size"] == batch]

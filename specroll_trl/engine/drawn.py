@@ -1,0 +1,368 @@
+"""Drafts drawn from the heads' distribution ``q``, verified by recursive rejection sampling (lossless).
+
+The contract, per tree node ``v`` whose target distribution is ``p`` (``generate``'s processed distribution, as for
+every rule) and whose children ``c_1 .. c_m`` were proposed, in that order, from distributions ``q_1 .. q_m``, each
+known before its child is checked:
+
+* ``p_1 = p``; child ``c_i`` is accepted with probability ``alpha_i = min(1, p_i(c_i) / q_i(c_i))``;
+* on its rejection ``p_{i+1} = norm(max(p_i - q_i, 0))``; if every child is rejected, the step emits a sample of
+  ``p_{m+1}``.
+
+Each child is one single-draft rejection sample whose rejection branch produces ``p_{i+1}`` exactly (by induction
+on the children left), so what is emitted at ``v`` is distributed as ``p`` whatever the ``q_i`` are, provided each
+``c_i`` really is a draw of ``q_i`` given everything drawn before it. Two kinds of children satisfy that:
+
+* *fixed* (the first ``fixed`` children: the top tokens of ``q``): ``q_i`` is a point mass, so ``alpha_i = p_i(c_i)``
+  and the residual is ``p_i`` without ``c_i``: the first ``f`` fixed children are accepted with ``p``'s mass on
+  them, exactly as sample-then-match accepts deterministic candidates;
+* *drawn* (the others): without replacement from ``q`` with the earlier children removed and renormalised
+  (Gumbel-top-k, i.e. one Plackett-Luce sample), ``q_i`` that restricted ``q``. One drawn child alone is accepted
+  with ``sum_x min(p(x), q(x)) = 1 - TV(p, q)``, which no entropy of ``p`` caps. A rejected child has
+  ``p_{i+1}(c_i) = 0``, so drawing the next one without it loses nothing (with replacement it could come again).
+
+``q`` is the heads' distribution at the run's temperature after the hooks' adjustments, over the draft vocabulary
+and zero elsewhere (the residual covers the rest). A drawn child of ``q``-mass 0 (``q`` ran out of support) is no
+child. Greedy decoding never draws: ``SpeculativeGenerator`` verifies top-k candidates by matching there.
+
+Which children a tree holds must not depend on the drawn tokens (a child kept only when it looks likely is no
+longer a draw of ``q``). The tree's *shape* is therefore chosen before drawing, from the verifier's measured
+acceptance by depth and rank (``AcceptanceByRank``): node scores are ``P(the walk reaches the node)`` under those
+rates, and the best ``N`` form the tree (``TreeShape``), the same for every row of a step.
+
+Unlike sample-then-match, what is emitted depends on the drafts (the same seed with another tree gives another,
+equally distributed, rollout).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .tree import DraftTree, GrownTree
+
+TINY = 1e-30
+
+
+@dataclass
+class TreeShape:
+    """A tree of ``1 + N`` nodes fixed before drawing (node 0 = root, parents before children).
+
+    ``parent [1+N]`` (-1 for the root), ``rank [1+N]`` (position among its siblings), ``depth [1+N]``,
+    ``children [1+N, K]`` (node indices by rank, -1 padded), ``ancestor_at [1+N, H+1]`` (the node's ancestor at each
+    depth, the root past its own depth), ``log_reach [1+N]`` (log-probability that the walk reaches the node).
+    """
+
+    parent: torch.Tensor
+    rank: torch.Tensor
+    depth: torch.Tensor
+    children: torch.Tensor
+    ancestor_at: torch.Tensor
+    log_reach: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.parent.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    @classmethod
+    def best_first(cls, edge: torch.Tensor, num_nodes: int) -> TreeShape:
+        """The ``num_nodes`` nodes of highest reach probability, grown greedily: ``edge [H, K]`` is the probability
+        that the walk, at a node of depth ``d``, moves into its child of rank ``r``. A child of rank ``r`` becomes a
+        candidate once its parent and its rank ``r - 1`` sibling are in the tree (children are drawn in rank
+        order), so the kept set is closed under parent and under earlier siblings."""
+        num_heads, width = edge.shape
+        log_edge = edge.double().clamp(min=TINY).log().tolist()
+        parent, rank, depth, log_reach, kids = [-1], [0], [0], [0.0], [0]
+        for _ in range(num_nodes):
+            best, best_score = -1, -math.inf
+            for node in range(len(parent)):
+                if depth[node] < num_heads and kids[node] < width:
+                    score = log_reach[node] + log_edge[depth[node]][kids[node]]
+                    if score > best_score:
+                        best, best_score = node, score
+            if best < 0:
+                break
+            parent.append(best)
+            rank.append(kids[best])
+            depth.append(depth[best] + 1)
+            log_reach.append(best_score)
+            kids.append(0)
+            kids[best] += 1
+        size = len(parent)
+        children = torch.full((size, width), -1, dtype=torch.long)
+        ancestor_at = torch.zeros((size, num_heads + 1), dtype=torch.long)
+        for node in range(1, size):
+            children[parent[node], rank[node]] = node
+            up = node
+            while up > 0:
+                ancestor_at[node, depth[up]] = up
+                up = parent[up]
+        return cls(torch.tensor(parent), torch.tensor(rank), torch.tensor(depth), children, ancestor_at,
+                   torch.tensor(log_reach, dtype=torch.float64))
+
+    def prefix(self, num_nodes: int) -> TreeShape:
+        """The first ``num_nodes`` nodes after the root: greedy growth is incremental, so this is the best tree of
+        that size."""
+        n = min(num_nodes + 1, self.size)
+        children = self.children[:n]
+        return TreeShape(self.parent[:n], self.rank[:n], self.depth[:n], torch.where(children < n, children, -1),
+                         self.ancestor_at[:n], self.log_reach[:n])
+
+    def to(self, device) -> TreeShape:
+        return TreeShape(*(t.to(device) for t in (self.parent, self.rank, self.depth, self.children,
+                                                  self.ancestor_at, self.log_reach)))
+
+
+class AcceptanceByRank:
+    """What the verifier accepts, by depth and rank: ``alpha[d, r]``, the mean chance that the rank-``r`` child of a
+    node at depth ``d`` is accepted once its earlier siblings were rejected (exact per verified node, averaged with
+    exponential forgetting), and the tree shapes it implies.
+
+    Args:
+        num_heads / width: ``H`` (deepest depth) and ``K`` (children per node at most).
+        prior: ``alpha`` before anything was verified, for rank 0 and for the later ranks.
+        prior_weight: how many verified nodes the prior counts as.
+        forget: weight kept by older observations at each step.
+        refresh: steps between two recomputations of the shapes (a shape is a short Python loop).
+    """
+
+    def __init__(self, num_heads: int, width: int, prior: tuple[float, float] = (0.4, 0.25),
+                 prior_weight: float = 8.0, forget: float = 0.995, refresh: int = 16):
+        alpha = torch.full((num_heads, width), prior[1], dtype=torch.float64)
+        alpha[:, 0] = prior[0]
+        self.weight = torch.full((num_heads, width), prior_weight, dtype=torch.float64)
+        self.total = alpha * prior_weight
+        self.forget, self.refresh = forget, refresh
+        self._shape: TreeShape | None = None
+        self._shape_nodes = -1
+        self._since = 0
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.total / self.weight
+
+    def edge(self) -> torch.Tensor:
+        """``[H, K]``: probability that the walk moves from a node of depth ``d`` into its rank-``r`` child."""
+        alpha = self.alpha
+        rejected_before = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1 - alpha[:, :-1]], 1), 1)
+        return rejected_before * alpha
+
+    def shape(self, num_nodes: int, device=None) -> TreeShape:
+        """The best tree of ``num_nodes`` nodes under the current rates (recomputed every ``refresh`` steps)."""
+        if self._shape is None or self._shape_nodes < num_nodes or self._since >= self.refresh:
+            self._shape = TreeShape.best_first(self.edge(), max(num_nodes, self._shape_nodes)).to(device)
+            self._shape_nodes, self._since = max(num_nodes, self._shape_nodes), 0
+        return self._shape.prefix(num_nodes)
+
+    def observe(self, alpha_sum: torch.Tensor, tried: torch.Tensor) -> None:
+        """One step: per ``(depth, rank)`` the summed acceptance chances of the children tried and their number."""
+        depth = tried.shape[0]  # a shallow tree tells nothing of the deeper depths
+        self.weight *= self.forget
+        self.total *= self.forget
+        self.weight[:depth] += tried.double().cpu()
+        self.total[:depth] += alpha_sum.double().cpu()
+        self._since += 1
+
+
+def rank_acceptance(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor, fixed: int):
+    """The rejection chain at nodes with target ``p [..., V]``, heads' ``q [..., V]`` and children tokens
+    ``children [..., K]`` (rank order, ``-1``: none).
+
+    Returns ``alpha [..., K]`` (each child's acceptance chance once its earlier siblings were rejected; 0 for no
+    child) and ``residual [..., V]`` (what is sampled when every child is rejected).
+    """
+    q_left = q
+    alphas = []
+    for r in range(children.shape[-1]):
+        token = children[..., r:r + 1]
+        at = token.clamp(min=0)
+        if r < fixed:
+            q_r = torch.zeros_like(p).scatter_(-1, at, 1.0)
+        else:
+            q_r = q_left / q_left.sum(-1, keepdim=True).clamp(min=TINY)
+        q_c, p_c = q_r.gather(-1, at), p.gather(-1, at)
+        real = (token >= 0) & (q_c > 0)
+        alphas.append(torch.where(real, (p_c / q_c.clamp(min=TINY)).clamp(max=1.0), 0.0).squeeze(-1))
+        residual = (p - q_r).clamp(min=0)
+        mass = residual.sum(-1, keepdim=True)
+        # a residual of mass ~0 means p == q_r: that child is accepted surely, so its residual is never sampled
+        p = torch.where(real & (mass > 1e-12), residual / mass.clamp(min=TINY), p)
+        q_left = torch.where(real, q_left.scatter(-1, at, 0.0), q_left)
+    return torch.stack(alphas, -1), p
+
+
+@dataclass
+class DrawnDraft:
+    """A drawn tree: its ``DraftTree`` (for the forward and the cache), its shape, and the heads' ``q [B, F, V']`` at
+    the ``F`` nodes that have children, over the heads' ``V'`` projection indices (``vocab [V']``: their target ids,
+    ``None`` for the whole vocabulary), with ``slot [1+N]`` each node's index into it (leaves: 0, never read) and
+    ``index [B, 1+N]`` each node's token as a projection index; and the ``GrownTree`` view hooks read."""
+
+    tree: DraftTree
+    shape: TreeShape
+    q: torch.Tensor
+    slot: torch.Tensor
+    index: torch.Tensor
+    vocab: torch.Tensor | None
+    grown: GrownTree
+
+    def chain_inputs(self, probs: torch.Tensor, nodes: torch.Tensor):
+        """What ``rank_acceptance`` needs at ``nodes [B, ...]`` (node indices per row), in the projection's
+        coordinates plus one last bucket for the target's mass outside them (where ``q`` is zero, so the chain only
+        ever rescales it): ``p [B, ..., V'+1]``, ``q [B, ..., V'+1]`` and the children's indices ``[B, ..., K]``."""
+        rows = torch.arange(nodes.shape[0], device=nodes.device).view(-1, *([1] * (nodes.dim() - 1)))
+        p = probs[rows, nodes]
+        if self.vocab is not None:
+            p = p.index_select(-1, self.vocab)
+        p = torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp(min=0)], -1)
+        q = self.q[rows, self.slot[nodes]]
+        q = torch.cat([q, torch.zeros_like(q[..., :1])], -1)
+        kids = self.shape.children[nodes]  # [B, ..., K]
+        kid_index = self.index[rows[..., None], kids.clamp(min=0)]
+        return p, q, torch.where(kids >= 0, kid_index, -1)
+
+
+def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size: int, fixed: int,
+              embed=None, num_heads: int | None = None) -> DrawnDraft:
+    """Draw every node of ``shape`` for each row, depth by depth.
+
+    Args:
+        root: ``[B]`` root tokens.
+        propose: ``(depth, frontier [f] node indices, path [B, f, depth, D] or None, path_tokens [B, f, depth])
+            -> (z [B, f, D], logq [B, f, V'])``: the proposal distribution of head ``depth`` at each frontier node
+            (log-probabilities over the projection's ``V'`` indices, after the hooks).
+        to_ids: projection indices -> target ids (``V'`` may be a draft vocabulary).
+        vocab_size: ``V`` of the target.
+        fixed: children per node taken as the top tokens of ``q`` instead of drawn.
+        embed: the input embedding (path heads read their path through it); ``None`` for independent heads.
+    """
+    batch, device, size = root.shape[0], root.device, shape.size
+    num_heads = num_heads or shape.ancestor_at.shape[1] - 1
+    tokens = root[:, None].repeat(1, size)
+    index = torch.zeros((batch, size), dtype=torch.long, device=device)
+    slot = torch.zeros(size, dtype=torch.long, device=device)
+    q = []
+    frontier_z, frontier_ids, frontier_source = [], [], []
+    for d in range(1, shape.max_depth + 1):
+        frontier = ((shape.depth == d - 1) & (shape.children[:, 0] >= 0)).nonzero().squeeze(1)
+        width = int((shape.children[frontier] >= 0).sum(1).max())
+        path_tokens = tokens[:, shape.ancestor_at[frontier, :d]]  # [B, f, d]
+        path = embed(path_tokens) if embed is not None else None
+        z, logq = propose(d, frontier, path, path_tokens)
+        logq = torch.log_softmax(logq.float(), dim=-1)  # q is exactly what the children are drawn from
+        keys = logq.clone()
+        top = keys.topk(fixed, dim=-1).indices if fixed else None
+        if top is not None:
+            keys.scatter_(-1, top, -math.inf)
+        if width > fixed:
+            gumbel = -torch.log(-torch.log(torch.rand_like(keys).clamp(min=1e-20)))
+            drawn = (keys + gumbel).topk(width - fixed, dim=-1).indices
+            picked = drawn if top is None else torch.cat([top[..., :width], drawn], -1)
+        else:
+            picked = top[..., :width]
+        ids = to_ids(picked)  # [B, f, width]
+        kids = shape.children[frontier, :width]  # [f, width]
+        has = kids >= 0
+        tokens[:, kids[has]] = ids[:, has]
+        index[:, kids[has]] = picked[:, has]
+        q.append(logq.exp())
+        slot[frontier] = sum(part.shape[1] for part in q[:-1]) + torch.arange(frontier.numel(), device=device)
+        frontier_z.append(z)
+        frontier_ids.append(torch.nn.functional.pad(torch.where(has, ids, -1), (0, shape.children.shape[1] - width),
+                                                    value=-1))
+        frontier_source.append((frontier - 1).expand(batch, -1))
+    depth = shape.depth.expand(batch, -1)
+    ancestors = (shape.ancestor_at[:, :, None] == torch.arange(size, device=device)).any(1)
+    ancestors[:, 0] = True
+    path_tokens = torch.where(torch.arange(num_heads + 1, device=device) <= shape.depth[:, None],
+                              tokens[:, shape.ancestor_at], root[:, None, None])
+    tree = DraftTree(tokens=tokens, depth=depth, parent=shape.parent.expand(batch, -1),
+                     ancestors=ancestors.expand(batch, -1, -1), path_tokens=path_tokens,
+                     path_scores=shape.log_reach[1:].float().expand(batch, -1),
+                     source=(torch.arange(size, device=device) - 1).expand(batch, -1))
+    coordinates = torch.arange(q[0].shape[-1], device=device)
+    vocab = to_ids(coordinates)
+    whole = vocab.numel() == vocab_size and torch.equal(vocab, coordinates)
+    return DrawnDraft(tree, shape, torch.cat(q, 1), slot, index, None if whole else vocab,
+                      GrownTree(tree, frontier_z, frontier_ids, frontier_source, num_heads))
+
+
+@dataclass
+class RejectionOutcome:
+    """``accepted [B, D+1]`` (node indices of the accepted path, root first, ``-1`` past its end), ``next_root [B]``,
+    and per ``(depth, rank)`` the summed acceptance chances of the children tried (``alpha_sum``) and their number
+    (``tried``)."""
+
+    accepted: torch.Tensor
+    next_root: torch.Tensor
+    alpha_sum: torch.Tensor
+    tried: torch.Tensor
+
+
+def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms: torch.Tensor) -> RejectionOutcome:
+    """Walk each row's drawn tree from the root by recursive rejection sampling.
+
+    Args:
+        probs: ``[B, 1+N, V]`` the target's processed distribution at every node.
+        uniforms: ``[B, D+2, K]`` fresh uniforms (``D``: the shape's depth); the last row's first samples the next
+            root.
+    """
+    shape = draft.shape
+    batch, width = probs.shape[0], shape.children.shape[1]
+    rows = torch.arange(batch, device=probs.device)
+    current = torch.zeros(batch, dtype=torch.long, device=probs.device)
+    alive = torch.ones(batch, dtype=torch.bool, device=probs.device)
+    final, stop = None, current
+    path = [current]
+    alpha_sum = torch.zeros((shape.max_depth + 1, width), dtype=torch.float64, device=probs.device)
+    tried = torch.zeros_like(alpha_sum)
+    for d in range(shape.max_depth + 1):
+        kids = shape.children[current]  # [B, K]
+        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, current), fixed)
+        hit = (uniforms[:, d] < alpha) & alive[:, None]
+        moved = hit.any(1)
+        first = hit.int().argmax(1)
+        was_tried = (kids >= 0) & alive[:, None] & (torch.arange(width, device=probs.device) <= torch.where(
+            moved, first, width)[:, None])
+        alpha_sum[d] += (alpha.double() * was_tried).sum(0)
+        tried[d] += was_tried.sum(0)
+        stops = alive & ~moved
+        final = residual if final is None else torch.where(stops[:, None], residual, final)
+        stop = torch.where(stops, current, stop)
+        current = torch.where(moved, kids[rows, first], current)
+        alive = moved
+        path.append(torch.where(alive, current, -1))
+    next_root = inverse_cdf(final, uniforms[:, -1, 0])
+    if draft.vocab is not None:  # the last bucket: a token outside the heads' vocabulary, drawn from p restricted there
+        outside = probs[rows, stop].index_fill(-1, draft.vocab, 0.0)
+        off = inverse_cdf(outside, torch.rand(batch, dtype=torch.float64, device=probs.device))
+        next_root = torch.where(next_root == draft.vocab.numel(), off, draft.vocab[next_root.clamp(
+            max=draft.vocab.numel() - 1)])
+    return RejectionOutcome(torch.stack(path[:-1], 1), next_root, alpha_sum[:-1], tried[:-1])
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row of unnormalised ``weights [B, V]``: the inverse CDF at ``uniforms [B]``."""
+    cdf = weights.double().cumsum(-1)
+    at = (uniforms.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, at, right=True).squeeze(1).clamp(max=weights.shape[-1] - 1)
+
+
+def expected_accepted_drawn(draft: DrawnDraft, probs: torch.Tensor, fixed: int) -> torch.Tensor:
+    """``[B]``: expected accepted draft nodes of the drawn trees under the target ``probs [B, 1+N, V]``, given the
+    drawn tokens: ``sum_v P(reach v)`` with each edge's chance from the rejection chain at its parent."""
+    shape, tree = draft.shape, draft.tree
+    nodes = torch.arange(probs.shape[1], device=probs.device).expand(probs.shape[0], -1)
+    p, q, kids = draft.chain_inputs(probs.double(), nodes)
+    alpha, _ = rank_acceptance(p, q.double(), kids, fixed)
+    rejected_before = torch.cumprod(torch.cat([torch.ones_like(alpha[..., :1]), 1 - alpha[..., :-1]], -1), -1)
+    edge_of_rank = rejected_before * alpha  # [B, n, K]
+    edge = torch.ones(tree.tokens.shape, dtype=torch.float64, device=probs.device)
+    edge[:, 1:] = edge_of_rank[:, shape.parent[1:], shape.rank[1:]]
+    log_path = torch.bmm(tree.ancestors.double(), edge.clamp(min=TINY).log()[..., None]).squeeze(-1)
+    return log_path[:, 1:].exp().sum(1)

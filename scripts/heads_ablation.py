@@ -96,7 +96,8 @@ def main() -> None:
         heads, report = distill_on_streams(model, train, heldout, variant_config, heads=heads, fp16_weights=True)
         report["variant"] = variant
         results[variant] = report
-        print(variant, format_hit_table(report["hit_rates"], report["target_mass"], report.get("drawn_accept")), sep="\n", flush=True)
+        table = format_hit_table(report["hit_rates"], report["target_mass"], report.get("drawn_accept"))
+        print(variant, table, sep="\n", flush=True)
         if variant == "path-no-out":
             (folder).mkdir(exist_ok=True)
             (folder / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -190,7 +190,8 @@ def main() -> None:
                       **measure(heads))
         save_distilled(heads, report, folder)
         results[variant] = report
-        print(variant, format_hit_table(report["hit_rates"], report["target_mass"], report.get("drawn_accept")), sep="\n", flush=True)
+        table = format_hit_table(report["hit_rates"], report["target_mass"], report.get("drawn_accept"))
+        print(variant, table, sep="\n", flush=True)
         out.write_text(json.dumps(list(results.values()), indent=2, default=str) + "\n")
 
     if "shipped" in args.variants:

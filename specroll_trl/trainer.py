@@ -441,7 +441,8 @@ class SpecGRPOTrainer(GRPOTrainer):
         nodes, active = stats.nodes_per_row or [0], stats.active_rows or [0]
         metrics = {"spec/tau": stats.tau, "spec/generation_seconds": seconds,
                    "spec/tokens_per_s": stats.tokens / max(seconds, 1e-9), "spec/forwards": float(stats.forwards),
-                   "spec/tree_nodes_per_row": sum(nodes) / len(nodes), "spec/active_rows": sum(active) / len(active)}
+                   "spec/tree_nodes_per_row": sum(nodes) / len(nodes), "spec/active_rows": sum(active) / len(active),
+                   "spec/drawn_share": stats.drawn_row_steps / max(1, stats.drafted_row_steps)}
         for name, seconds in stats.hook_seconds.items():
             metrics[f"spec/{name}/seconds"] = seconds
         for name, values in stats.hook_metrics.items():

@@ -166,3 +166,34 @@ def test_greedy_output_is_the_same_under_any_budget(nano):
     online = SpeculativeGenerator(model, heads, gc).generate(ids, mask).completion_ids
     fixed = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=8).generate(ids, mask).completion_ids
     assert online == fixed
+
+
+def test_online_budget_chooses_the_verification_rule_that_commits_more_and_follows_a_change():
+    budget = OnlineBudget(max_nodes=16, rules=("drawn", "top-k"), explore=0.1, seed=0)
+    curves = {"drawn": 0.8 ** torch.arange(1, 65, dtype=torch.float64),
+              "top-k": 0.4 ** torch.arange(1, 65, dtype=torch.float64)}
+
+    def run(steps):
+        chosen = []
+        for _ in range(steps):
+            rule, n = budget.plan(1)
+            accepted = float(curves[rule][:n].sum())
+            scores = curves[rule].log()[None] if n else None
+            budget.observe(1, n, 1.0 + 0.3 * (n > 0) + 0.02 * n, accepted, scores, rule)
+            chosen.append((rule, n))
+        return chosen
+
+    late = run(300)[-50:]
+    assert sum(rule == "drawn" and n > 0 for rule, n in late) >= 40
+    curves["drawn"], curves["top-k"] = curves["top-k"], curves["drawn"]  # e.g. the temperature of a run changed
+    late = run(400)[-50:]
+    assert sum(rule == "top-k" and n > 0 for rule, n in late) >= 40
+
+
+def test_fixed_budget_takes_the_rule_predicted_to_accept_more_at_its_width():
+    budget = FixedBudget(capacity=8, max_nodes=16, rules=("drawn", "top-k"), explore=0.0)
+    scores = {"drawn": torch.full((1, 16), 0.2).log(), "top-k": torch.full((1, 16), 0.6).log()}
+    for rule in ("drawn", "top-k"):
+        for _ in range(20):
+            budget.observe(1, 4, 1.0, float(scores[rule].exp()[0, :4].sum()), scores[rule], rule)
+    assert budget.plan(1) == ("top-k", 7)

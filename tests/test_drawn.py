@@ -157,9 +157,11 @@ def test_drawn_candidates_accept_more_than_top_k_at_temperature_one_on_diffuse_h
     heads = noisy_heads(model, std=0.05, seed=2, kind="path")
     gc = GenerationConfig(do_sample=True, max_new_tokens=12, eos_token_id=1, pad_token_id=0, temperature=1.0, top_k=0)
     taus = {}
-    for rule, options in {"top-k": dict(candidates="top-k"), "drawn": dict(candidates="drawn", fixed_children=0)}.items():
+    rules = {"top-k": dict(candidates="top-k"), "drawn": dict(candidates="drawn", fixed_children=0)}
+    for rule, options in rules.items():
         torch.manual_seed(0)
-        engine = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=1, topk_per_head=1, **options)
+        engine = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=1, topk_per_head=1,
+                                      **options)
         ids = torch.tensor([[2, 3, 4]] * 400)
         taus[rule] = engine.generate(ids, torch.ones_like(ids)).stats.tau
     assert taus["drawn"] > taus["top-k"] + 0.05, taus
@@ -171,7 +173,8 @@ def test_greedy_never_draws(monkeypatch):
     gc = GenerationConfig(do_sample=False, max_new_tokens=10, eos_token_id=1, pad_token_id=0)
     ids = torch.tensor([[5, 6, 7, 8]] * 3)
     walks = []
-    monkeypatch.setattr(generator_mod, "rejection_walk", lambda *args: walks.append(1) or drawn_mod.rejection_walk(*args))
+    counted = lambda *args: walks.append(1) or drawn_mod.rejection_walk(*args)  # noqa: E731
+    monkeypatch.setattr(generator_mod, "rejection_walk", counted)
     out = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=4, candidates="drawn").generate(
         ids, torch.ones_like(ids))
     reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc)

@@ -67,7 +67,7 @@ def test_spec_run_logs_spec_metrics_and_matches_grpo_keys(nano, tmp_path, datase
     assert all("reward" in r and math.isfinite(r["reward"]) for r in rows)
     spec_keys = {k for k in logged_keys(spec) if k.startswith("spec/")}
     assert {"spec/tau", "spec/generation_seconds", "spec/tokens_per_s", "spec/tree_nodes_per_row",
-            "spec/active_rows", "spec/accept_head_1"} <= spec_keys
+            "spec/active_rows", "spec/accept_head_1", "spec/drawn_share"} <= spec_keys
     assert all(r["spec/tau"] >= 1.0 for r in rows)
 
     vanilla = run(GRPOTrainer, small_args(tmp_path / "v", cls=GRPOConfig), dataset)

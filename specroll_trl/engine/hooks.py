@@ -93,7 +93,8 @@ class StepFeedback:
         z: ``[B, H, D]`` per head, the hidden state its proposal was taken from (after ``adjust``): independent heads'
             own; for path heads, head ``d``'s at the accepted path's node of depth ``d - 1`` (the node whose children
             it proposed, where the committed token was sampled). ``None`` when the step drafted nothing.
-        candidates: ``[B, H, K]`` the top-k tokens of those proposals (target ids).
+        candidates: ``[B, H, K]`` the candidates of those proposals (target ids): the heads' top-k; for a drawn tree of
+            path heads, the children drawn at that node (``-1`` past the last).
         proposed: ``[B, H]`` which of those proposals stand for the committed text: all for independent heads (head
             ``d`` proposed for index ``root_index + d`` from ``h_t``, resolved now or by a later step); for path heads
             those made at a node of the accepted path (head ``d`` ran there), all resolved this step.

@@ -48,7 +48,8 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
     """One record per (temperature, batch size, mode): TRL's ``generate`` against the engine with the online node
     budget and its defaults (``spec``), with the online budget held to one verification rule (``spec_<rule>``, for
     each of ``rules``: ``top-k``, ``drawn``), with a fixed number of draft nodes per row (``fixed_N``; ``fixed_0`` is
-    the engine's loop without drafting) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch 1). Each repeat
+    the engine's loop without drafting) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch
+    1). Each repeat
     is one alternating round on its own prompts (a pretrained preset's: GSM8K-test chat prompts from row 1000 on,
     never used for its heads), the same prompts and seed for every mode; records hold medians and the spread over
     repeats. Each engine keeps its budget across calls, as in a training run, after one untimed warm-up call per
@@ -224,7 +225,7 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
     temperature = temperature or preset_temperature(model_name)
     dataset = preset_dataset(model_name, steps * prompts_per_step, seed=123, task=task)
     results = {"vanilla": {"step": [], "gen": [], "reward": []}, "spec": {"step": [], "gen": [], "reward": []}}
-    taus = []
+    taus, drawn, nodes = [], [], []
     for r in range(repeats):
         for name, cls in (("vanilla", GRPOTrainer), ("spec", SpecGRPOTrainer)):
             args = SpecGRPOConfig(
@@ -242,6 +243,9 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
             results[name]["reward"] += [row["reward"] for row in trainer.state.log_history if "reward" in row]
             if name == "spec":
                 taus += [row["spec/tau"] for row in trainer.state.log_history if "spec/tau" in row]
+                drawn += [row["spec/drawn_share"] for row in trainer.state.log_history if "spec/drawn_share" in row]
+                nodes += [row["spec/tree_nodes_per_row"] for row in trainer.state.log_history
+                          if "spec/tree_nodes_per_row" in row]
             if progress:
                 print(f"run {r} {name:<8} step {statistics.median(trainer.timer.step_seconds):6.2f}s  "
                       f"generation {statistics.median(trainer.generation_seconds):6.2f}s", flush=True)
@@ -252,6 +256,8 @@ def bench_e2e(model_name: str = DEFAULT_PRESET, steps: int = 4, repeats: int = 2
         "generation_share": v_gen / v_step, "spec_generation_share": s_gen / s_step,
         "vanilla_generation_s": v_gen, "spec_generation_s": s_gen, "generation_speedup": v_gen / s_gen,
         "tau": statistics.median(taus) if taus else None,
+        "drawn_share": statistics.mean(drawn) if drawn else None,
+        "tree_nodes_per_row": statistics.mean(nodes) if nodes else None,
         "vanilla_reward_mean": statistics.mean(results["vanilla"]["reward"]),
         "spec_reward_mean": statistics.mean(results["spec"]["reward"]),
         "num_generations": num_generations, "prompts_per_step": prompts_per_step,

@@ -173,7 +173,8 @@ def _refit_rank(rank: int, port: int, results):
     gc = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(rank)  # each rank its own rollouts, hence its own buffer
     ids, mask = left_padded([[5 + rank, 6, 7], [8, 9 + rank]])
-    SpeculativeGenerator(model, heads, gc, capacity=16, hooks=[callback.capture]).generate(ids, mask)
+    SpeculativeGenerator(model, heads, gc, capacity=16, hooks=[callback.capture], candidates="top-k").generate(ids,
+                                                                                                            mask)
     if rank == 1:
         callback.buffer.add(callback.buffer.take(torch.arange(len(callback.buffer))))  # rank 1 alone: even more
     callback.on_step_end(None, None, None)

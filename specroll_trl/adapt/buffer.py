@@ -143,7 +143,8 @@ class BufferCapture(StepHook):
             self.accepted[:depth] += (step.accepted[:, 1 : depth + 1] >= 0).sum(0).double().cpu()
             self.drafted += len(rows)
             heads = min(step.candidates.shape[1], width)  # head d's target is this step's token d-1, if any
-            covered = p[:, :heads].gather(2, step.candidates[:, :heads].clamp(min=0)).sum(-1)  # [B, heads]
+            candidates = step.candidates[:, :heads]  # -1: no candidate (a drawn node with fewer children)
+            covered = (p[:, :heads].gather(2, candidates.clamp(min=0)) * (candidates >= 0)).sum(-1)  # [B, heads]
             seen = torch.arange(heads, device=rows.device)[None] < step.count[:, None]
             if step.proposed is not None:  # path heads: only where a head ran on the accepted path
                 seen = seen & step.proposed[:, :heads]

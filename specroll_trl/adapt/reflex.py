@@ -187,7 +187,9 @@ class HiddenStateReflex(ReflexHook):
         c = self.config
         weight = self.weight.float()
         q = torch.softmax(F.linear(z, weight), dim=-1)
-        offered = torch.zeros_like(p, dtype=torch.bool).scatter_(1, candidates.clamp(min=0), candidates >= 0)
+        vocab = p.shape[-1]  # -1 (no candidate) goes to a spare last column
+        offered = torch.zeros((p.shape[0], vocab + 1), dtype=torch.bool, device=p.device).scatter_(
+            1, torch.where(candidates >= 0, candidates, vocab), True)[:, :vocab]
         k = min(c.support_k, p.shape[-1])
         p_top = torch.zeros_like(p, dtype=torch.bool).scatter_(1, p.topk(k, -1).indices, True)
         support = p_top.clone().scatter_(1, q.topk(k, -1).indices, True)

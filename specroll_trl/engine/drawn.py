@@ -170,8 +170,8 @@ class AcceptanceByRank:
 
 
 def rank_acceptance(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor, fixed: int):
-    """The rejection chain at nodes with target ``p [..., V]``, heads' ``q [..., V]`` and children tokens
-    ``children [..., K]`` (rank order, ``-1``: none).
+    """The rejection chain at nodes with target ``p [..., V]``, heads' ``q [..., V]`` and children ``children [..., K]``
+    (indices into the last axis, rank order, ``-1``: none).
 
     Returns ``alpha [..., K]`` (each child's acceptance chance once its earlier siblings were rejected; 0 for no
     child) and ``residual [..., V]`` (what is sampled when every child is rejected).

@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NAME=FOLDER (or FOLDER) of each heads set to compare (default: the preset's heads)")
     hb.add_argument("--nodes", type=int, nargs="+", default=None, help=f"draft nodes per row {says('nodes')}")
     hb.add_argument("--temperatures", type=float, nargs="+", default=None, help=says("temperatures"))
-    hb.add_argument("--rules", nargs="+", default=["drawn+1"],
+    hb.add_argument("--rules", nargs="+", default=["drawn"],
                     help="verification rules to compare: top-k, drawn, drawn+F (F fixed top-of-q children per node)")
     hb.add_argument("--groups", type=int, default=1, help="run the prompts as this many batches (tau per group)")
     hb.add_argument("--prompts", type=int, default=None,

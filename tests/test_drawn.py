@@ -191,3 +191,13 @@ def test_invalid_rule_options_are_refused(options, match):
     model = make_model()
     with pytest.raises(ValueError, match=match):
         SpeculativeGenerator(model, noisy_heads(model, 2), GenerationConfig(max_new_tokens=3), **options)
+
+
+def test_bench_rule_names():
+    from specroll_trl.experiments.heads_bench import rule_options
+
+    assert rule_options("top-k") == dict(candidates="top-k")
+    assert rule_options("drawn") == dict(candidates="drawn", fixed_children=0)
+    assert rule_options("drawn+2") == dict(candidates="drawn", fixed_children=2)
+    with pytest.raises(ValueError, match="unknown rule"):
+        rule_options("drawn+x")

@@ -144,6 +144,7 @@ def test_engine_stays_exact_with_reflex_on(settings, preset, kind, monkeypatch):
 
     monkeypatch.setattr(SpeculativeGenerator, "__init__", with_reflex)
     samples, stats = engine_samples(model, heads, gc, n_per_prompt=12000, seed=7)
+    assert stats["drawn_row_steps"] > 0  # the default rule drew candidates from the Reflex-adjusted q
     assert stats["reflex_feedback"] > 0  # corrections really happened:
     assert stats["reflex_norm"] > 0 if preset[0].startswith("baseline") else stats["reflex_lookup_hit"] > 0
     for prompt, rows in zip(PROMPTS, samples):

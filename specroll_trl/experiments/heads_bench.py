@@ -115,8 +115,8 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
 
 
 def plot_heads(records: list[dict], path: str | Path) -> None:
-    """tau against draft nodes per row (pooled over prompt groups), one line per heads set, rule and temperature; with
-    the step-cost records, the break-even tau at each batch size (dotted)."""
+    """tau against draft nodes per row (the median over prompt groups), one line per heads set, rule and temperature;
+    with the step-cost records, the break-even tau at each batch size (dotted)."""
     from .plots import pyplot, save_figure
 
     plt = pyplot()
@@ -125,9 +125,8 @@ def plot_heads(records: list[dict], path: str | Path) -> None:
     for name, rule, temperature in dict.fromkeys((r["heads"], r.get("rule"), r["temperature"]) for r in taus):
         rows = [r for r in taus if r["heads"] == name and r.get("rule") == rule and r["temperature"] == temperature]
         nodes = list(dict.fromkeys(r["nodes"] for r in rows))
-        pooled = [sum(r["tokens"] for r in rows if r["nodes"] == n) / sum(r["row_forwards"] for r in rows
-                                                                         if r["nodes"] == n) for n in nodes]
-        ax.plot(nodes, pooled, marker="o",
+        tau = [statistics.median(r["tau"] for r in rows if r["nodes"] == n) for n in nodes]
+        ax.plot(nodes, tau, marker="o",
                 ls="-" if temperature == 0.7 else "--", label=f"{name}{f', {rule}' if rule else ''}, T={temperature}")
     costs = [r for r in records if "break_even_tau" in r]
     for batch in dict.fromkeys(r["batch_size"] for r in costs):

@@ -219,3 +219,30 @@ def test_a_cached_copy_of_shipped_heads_is_installed_again_when_the_package_ship
     (cached / REPORT_FILE).write_text(json.dumps({"policy_sha256": "other"}))  # distilled for another policy
     assert not zoo._replaced_since("toy", cached, "path")
     assert not zoo._replaced_since("nano", cached, "path")  # a toy preset's heads are its own
+
+
+def test_drawn_acceptance_metric_and_tv_loss_are_one_minus_total_variation():
+    """With the target's whole distribution stored (top-K = V), ``accept`` and the TV loss term equal
+    ``1 - TV(p, q) = 1 - sum |p - q| / 2`` and ``TV(p, q)`` per anchor and head."""
+    from specroll_trl.adapt.records import head_fit_loss
+
+    model = make_model(vocab=24, hidden=32, scale=3.0)
+    stream = build_stream(model, [([2], [3, 4, 5, 6, 7]), ([7, 8], [9, 10, 11, 12])], temperature=1.0, topk=24)
+    heads = SpeculativeHeads.from_model(model, num_heads=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    projection = heads.projection(model.lm_head)
+    anchors = stream.anchor_ok.nonzero().squeeze(-1)
+    records = stream.records(anchors, 2)
+    with torch.no_grad():
+        q = torch.softmax(heads.logits(records.hidden, model.lm_head).float(), -1)  # [N, H, V]
+        p = torch.zeros_like(q).scatter_(-1, records.target_ids, records.target_probs.float())
+        tv = 0.5 * (p - q).abs().sum(-1)  # [N, H]
+        valid = records.valid.float()
+        per = sequence_hits(heads, projection, stream, ks=(1,))
+        torch.testing.assert_close(per["accept"].sum(0), ((1 - tv) * valid).sum(0), atol=1e-4, rtol=0)
+        plain = head_fit_loss(heads, projection, records, None, 1.0, 1.0)
+        with_tv = head_fit_loss(heads, projection, records, None, 1.0, 1.0, tv_weight=2.0)
+    torch.testing.assert_close(with_tv - plain, 2 * (tv * valid).sum(0) / valid.sum(0), atol=1e-4, rtol=0)
+    assert 0 < float(tv.mean()) < 1

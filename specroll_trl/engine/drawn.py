@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from .tree import DraftTree, GrownTree
+from .verify import inverse_cdf
 
 TINY = 1e-30
 
@@ -60,14 +61,20 @@ class TreeShape:
     children: torch.Tensor
     ancestor_at: torch.Tensor
     log_reach: torch.Tensor
+    max_depth: int = 0
+    levels: tuple = ()  # per depth d = 1..max_depth: (frontier node indices [f], children drawn per frontier node)
+
+    def __post_init__(self):
+        if not self.levels and self.parent.device.type == "cpu":  # read once, here, never in the decoding loop
+            self.max_depth = int(self.depth.max())
+            self.levels = tuple(
+                (frontier, int((self.children[frontier] >= 0).sum(1).max()))
+                for d in range(self.max_depth)
+                for frontier in [((self.depth == d) & (self.children[:, 0] >= 0)).nonzero().squeeze(1)])
 
     @property
     def size(self) -> int:
         return self.parent.shape[0]
-
-    @property
-    def max_depth(self) -> int:
-        return int(self.depth.max())
 
     @classmethod
     def best_first(cls, edge: torch.Tensor, num_nodes: int) -> TreeShape:
@@ -115,7 +122,8 @@ class TreeShape:
 
     def to(self, device) -> TreeShape:
         return TreeShape(*(t.to(device) for t in (self.parent, self.rank, self.depth, self.children,
-                                                  self.ancestor_at, self.log_reach)))
+                                                  self.ancestor_at, self.log_reach)),
+                         self.max_depth, tuple((frontier.to(device), width) for frontier, width in self.levels))
 
 
 class AcceptanceByRank:
@@ -138,8 +146,8 @@ class AcceptanceByRank:
         self.weight = torch.full((num_heads, width), prior_weight, dtype=torch.float64)
         self.total = alpha * prior_weight
         self.forget, self.refresh = forget, refresh
-        self._shape: TreeShape | None = None
-        self._shape_nodes = -1
+        self._shape: TreeShape | None = None  # the widest tree asked for, on the CPU
+        self._prefixes: dict[int, TreeShape] = {}  # its prefixes, on the device
         self._since = 0
 
     @property
@@ -148,16 +156,17 @@ class AcceptanceByRank:
 
     def edge(self) -> torch.Tensor:
         """``[H, K]``: probability that the walk moves from a node of depth ``d`` into its rank-``r`` child."""
-        alpha = self.alpha
-        rejected_before = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1 - alpha[:, :-1]], 1), 1)
-        return rejected_before * alpha
+        return first_accepted(self.alpha)
 
     def shape(self, num_nodes: int, device=None) -> TreeShape:
         """The best tree of ``num_nodes`` nodes under the current rates (recomputed every ``refresh`` steps)."""
-        if self._shape is None or self._shape_nodes < num_nodes or self._since >= self.refresh:
-            self._shape = TreeShape.best_first(self.edge(), max(num_nodes, self._shape_nodes)).to(device)
-            self._shape_nodes, self._since = max(num_nodes, self._shape_nodes), 0
-        return self._shape.prefix(num_nodes)
+        widest = 0 if self._shape is None else self._shape.size - 1
+        if self._shape is None or widest < num_nodes or self._since >= self.refresh:
+            self._shape = TreeShape.best_first(self.edge(), max(num_nodes, widest))
+            self._prefixes, self._since = {}, 0
+        if num_nodes not in self._prefixes:
+            self._prefixes[num_nodes] = self._shape.prefix(num_nodes).to(device)
+        return self._prefixes[num_nodes]
 
     def observe(self, alpha_sum: torch.Tensor, tried: torch.Tensor) -> None:
         """One step: per ``(depth, rank)`` the summed acceptance chances of the children tried and their number."""
@@ -167,6 +176,13 @@ class AcceptanceByRank:
         self.weight[:depth] += tried.double().cpu()
         self.total[:depth] += alpha_sum.double().cpu()
         self._since += 1
+
+
+def first_accepted(alpha: torch.Tensor) -> torch.Tensor:
+    """``alpha [..., K]`` (each rank's acceptance once the earlier ones were rejected) -> the chance that rank ``r``
+    is the child accepted."""
+    rejected_before = torch.cumprod(torch.cat([torch.ones_like(alpha[..., :1]), 1 - alpha[..., :-1]], -1), -1)
+    return rejected_before * alpha
 
 
 def rank_acceptance(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor, fixed: int):
@@ -248,9 +264,7 @@ def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size:
     slot = torch.zeros(size, dtype=torch.long, device=device)
     q = []
     frontier_z, frontier_ids, frontier_source = [], [], []
-    for d in range(1, shape.max_depth + 1):
-        frontier = ((shape.depth == d - 1) & (shape.children[:, 0] >= 0)).nonzero().squeeze(1)
-        width = int((shape.children[frontier] >= 0).sum(1).max())
+    for d, (frontier, width) in enumerate(shape.levels, start=1):
         path_tokens = tokens[:, shape.ancestor_at[frontier, :d]]  # [B, f, d]
         path = embed(path_tokens) if embed is not None else None
         z, logq = propose(d, frontier, path, path_tokens)
@@ -346,11 +360,7 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
     return RejectionOutcome(torch.stack(path[:-1], 1), next_root, alpha_sum[:-1], tried[:-1])
 
 
-def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One index per row of unnormalised ``weights [B, V]``: the inverse CDF at ``uniforms [B]``."""
-    cdf = weights.double().cumsum(-1)
-    at = (uniforms.double() * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, at, right=True).squeeze(1).clamp(max=weights.shape[-1] - 1)
+
 
 
 def expected_accepted_drawn(draft: DrawnDraft, probs: torch.Tensor, fixed: int) -> torch.Tensor:
@@ -360,8 +370,7 @@ def expected_accepted_drawn(draft: DrawnDraft, probs: torch.Tensor, fixed: int) 
     nodes = torch.arange(probs.shape[1], device=probs.device).expand(probs.shape[0], -1)
     p, q, kids = draft.chain_inputs(probs.double(), nodes)
     alpha, _ = rank_acceptance(p, q.double(), kids, fixed)
-    rejected_before = torch.cumprod(torch.cat([torch.ones_like(alpha[..., :1]), 1 - alpha[..., :-1]], -1), -1)
-    edge_of_rank = rejected_before * alpha  # [B, n, K]
+    edge_of_rank = first_accepted(alpha)  # [B, n, K]
     edge = torch.ones(tree.tokens.shape, dtype=torch.float64, device=probs.device)
     edge[:, 1:] = edge_of_rank[:, shape.parent[1:], shape.rank[1:]]
     log_path = torch.bmm(tree.ancestors.double(), edge.clamp(min=TINY).log()[..., None]).squeeze(-1)

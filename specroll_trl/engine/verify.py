@@ -180,14 +180,18 @@ class TargetDistribution:
             tokens = scores.argmax(-1)
             return tokens, torch.nn.functional.one_hot(tokens, scores.shape[-1]).float()
         probs = torch.softmax(scores, dim=-1)
-        cdf = probs.double().cumsum(-1)
-        at = (uniforms.double() * cdf[:, -1])[:, None]
-        tokens = torch.searchsorted(cdf, at, right=True).squeeze(1).clamp(max=scores.shape[-1] - 1)
-        return tokens, probs
+        return inverse_cdf(probs, uniforms), probs
 
     def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """What TRL recomputes: ``log_softmax(logits / T)`` in fp32."""
         return torch.log_softmax(logits.float() / self.temperature, dim=-1)
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row of unnormalised ``weights [N, V]``: the inverse of its CDF (float64) at ``uniforms [N]``."""
+    cdf = weights.double().cumsum(-1)
+    at = (uniforms.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, at, right=True).squeeze(1).clamp(max=weights.shape[-1] - 1)
 
 
 def expected_accepted(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from .compat import any_rank_active, check_model_supported, should_sync
 from .drawn import AcceptanceByRank, DrawnDraft, draw_tree, expected_accepted_drawn, rejection_walk
 from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import DraftSlots, GenerationContext, StepFeedback, StepHook
+from .kernels import LinearKernels, kernels_of
 from .kvcache import RaggedCache
 from .tree import DraftTree, GrownTree, PathTable, grow_tree, select_tree
 from .verify import (
@@ -75,6 +76,10 @@ class SpeculativeConfig:
             decides, i.e. on when ZeRO-3 or FSDP manages the model and the world size is above 1.
         track_expected_acceptance: also sum ``E[accepted nodes] = sum_v P(path to v)`` under the target (stats
             ``expected_accepted`` next to the realised ``accepted``): a bias detector for the verifier.
+        pack_linears: compute the model's linear layers (float32, on CPU) with weights packed once for oneDNN where
+            that measures faster than ``F.linear`` for the layer's shape and row count (``engine.kernels``): a
+            forward over a few query tokens then reads each weight once. The packed copies double those weights'
+            memory and are rebuilt when the weights change. ``False``: every layer as the model computes it.
     """
 
     candidates: str = "auto"
@@ -87,6 +92,7 @@ class SpeculativeConfig:
     fallback_to_generate: bool = False
     synced_gpus: bool | None = None
     track_expected_acceptance: bool = False
+    pack_linears: bool = True
 
     def __post_init__(self):
         if self.candidates not in CANDIDATE_RULES:
@@ -127,6 +133,7 @@ class GenerationStats(Mapping):
         accepted: draft nodes accepted (counted with ``track_expected_acceptance``).
         expected_accepted: their expectation under the target (likewise).
         sync_forwards: throwaway forwards that kept this rank in step with the others.
+        pack_seconds: time of the call spent packing the weights that changed since the last call (``engine.kernels``).
         capacity: ``C_hw`` of a fixed budget (``None``: the online budget).
         fallback: the call went through ``model.generate`` (``reason`` says why).
         hook_seconds: wall time spent in each hook, by hook name.
@@ -147,6 +154,7 @@ class GenerationStats(Mapping):
     accepted: int = 0
     expected_accepted: float = 0.0
     sync_forwards: int = 0
+    pack_seconds: float = 0.0
     capacity: int | None = None
     fallback: bool = False
     reason: str | None = None
@@ -319,6 +327,7 @@ class SpeculativeGenerator:
                                    else FixedBudget(self.config.capacity, self.config.max_nodes, rules))
         # what the rejection verifier accepts by depth and rank: the shape of drawn trees (kept across calls)
         self.acceptance = AcceptanceByRank(heads.num_heads, self.config.topk_per_head)
+        self.kernels = kernels_of(model) if self.config.pack_linears else LinearKernels(torch.nn.Module())
         self.supported_error: str | None = None
         self._warned_options: set[tuple[str, ...]] = set()
         try:
@@ -380,19 +389,22 @@ class SpeculativeGenerator:
                               "tree node; these calls use model.generate", stacklevel=2)
             return self._fallback(input_ids, attention_mask, gen, max_new, start, reason=str(err))
         stats = GenerationStats(capacity=self.config.capacity)
-        state = self._prefill(input_ids, attention_mask, target, stats)
-        hooks = TimedHooks(self.hooks, stats)
-        hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head,
-                                              state.projection, sampling_temperature(gen)))
-        synced = should_sync(self.model, self.config.synced_gpus)
-        while self._has_work(state, synced, stats):
-            step_start = time.perf_counter()
-            draft = self._draft(state, hooks, stats)
-            verdict = self._verify(state, draft.tree, draft.drawn is not None)
-            step = self._commit(state, draft, verdict, stats)
-            hooks.call("feedback", step)
-            self._observe_budget(draft, step, step_start)
-            self._retire(state, step, verdict)
+        pack_seconds = self.kernels.pack_seconds
+        with self.kernels.active():
+            state = self._prefill(input_ids, attention_mask, target, stats)
+            hooks = TimedHooks(self.hooks, stats)
+            hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head,
+                                                  state.projection, sampling_temperature(gen)))
+            synced = should_sync(self.model, self.config.synced_gpus)
+            while self._has_work(state, synced, stats):
+                step_start = time.perf_counter()
+                draft = self._draft(state, hooks, stats)
+                verdict = self._verify(state, draft.tree, draft.drawn is not None)
+                step = self._commit(state, draft, verdict, stats)
+                hooks.call("feedback", step)
+                self._observe_budget(draft, step, step_start)
+                self._retire(state, step, verdict)
+        stats.pack_seconds = self.kernels.pack_seconds - pack_seconds
         return self._finish(state, hooks, stats, start)
 
     def _prefill(self, input_ids, attention_mask, target: TargetDistribution, stats: GenerationStats) -> DecodeState:
@@ -510,7 +522,7 @@ class SpeculativeGenerator:
         """One target forward over every row's root + tree, every node's processed distribution, and (top-k
         candidates) one sample per node from it."""
         kv, active, n = state.kv, state.rows.numel(), tree.size
-        with final_hidden_of(self.lm_head) as final:
+        with final_hidden_of(self.lm_head) as final, self.kernels.forward(active * n):
             out = self.model(input_ids=tree.tokens, position_ids=kv.lengths[:, None] + tree.depth,
                              attention_mask=kv.tree_attention_mask(tree.ancestors, self.lm_head.weight.dtype),
                              cache=kv.cache, use_cache=True)

@@ -1,0 +1,139 @@
+"""``LinearKernels``: which kernel computes a model's linear layers in a forward over a given number of query rows.
+
+A verification forward over a few query tokens is where a CPU BLAS pays most above what reading the weights costs:
+for more than one row ``F.linear`` runs a GEMM that repacks the weight on every call, so a forward over 3 tokens
+costs about 1.7x one token's although it reads the same weights (``benchmarks/README.md``, "A step at the
+weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count.
+Which is faster depends on the machine, the model and the row count, so it is measured, never assumed, and in
+place: the engine's own forwards over a bucket of query rows alternate the two kernels until each has run
+``TRIALS`` times, then the faster (by median, by at least ``1 - MIN_GAIN``) computes every later forward of that
+bucket. No forward is spent on measuring.
+
+Packed copies are rebuilt whenever a weight changes (its version counter or storage moves: an optimizer step, a
+``load_state_dict``), so generation always reads the parameters the trainer updates; the time spent packing is
+counted (``pack_seconds``). Only plain ``nn.Linear`` modules with float32 weights on CPU whose ``forward`` nobody
+replaced (accelerate's hooks, PEFT's wrappers keep theirs; a LoRA layer's base ``nn.Linear`` takes part) are
+candidates, and only where oneDNN is built in: elsewhere (a GPU) every forward computes as the model does. The
+packed copies double those weights' memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+MAX_PACKED_ROWS = 256  # above this many query rows GEMM's own packing is amortised: F.linear, nothing measured
+TRIALS = 3  # forwards per kernel before a bucket's choice is made
+MIN_GAIN = 0.95  # packed must be 5% faster to be chosen: a tie keeps the model's own kernel (and its rounding)
+
+
+def packed_kernel_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def rows_bucket(rows: int) -> int:
+    """Query-row counts that share a choice: 1-4 each alone, then powers of two (5-8 -> 8, 9-16 -> 16, ...)."""
+    return rows if rows <= 4 else 1 << (rows - 1).bit_length()
+
+
+def _eligible(module: nn.Module) -> bool:
+    weight = module.weight
+    return (type(module) is nn.Linear and "forward" not in module.__dict__ and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.numel() > 0)
+
+
+class LinearKernels:
+    """A model's eligible linear layers, their packed weights, and per bucket of query rows the measured choice
+    between ``F.linear`` and the packed kernel. Use ``with kernels.active():`` around a generation call and
+    ``with kernels.forward(rows):`` around each forward whose kernel is chosen by its rows."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = ([m for m in model.modules() if isinstance(m, nn.Linear) and _eligible(m)]
+                        if packed_kernel_available() else [])
+        self.packed: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
+        self.trials: dict[int, dict[bool, list[float]]] = {}  # bucket -> {packed?: forward seconds}
+        self.choice: dict[int, bool] = {}  # bucket -> packed wins
+        self.use_packed = False
+        self.pack_seconds = 0.0
+
+    def refresh(self) -> None:
+        """Repack every weight that changed since it was packed (all of them the first time)."""
+        start = time.perf_counter()
+        for module in self.modules:
+            weight = module.weight
+            stamp = (weight._version, weight.data_ptr())
+            held = self.packed.get(module)
+            if held is None or held[0] != stamp:
+                self.packed[module] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 3))
+        self.pack_seconds += time.perf_counter() - start
+
+    def _forward(self, module: nn.Linear):
+        weight, bias = module.weight, module.bias
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if self.use_packed and not torch.is_grad_enabled():
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed[module][1], bias, "none", [], "")
+            return F.linear(x, weight, bias)
+
+        return forward
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Inside, the eligible layers compute with the kernel ``forward(rows)`` chose (``F.linear`` outside a
+        ``forward`` block). Repacks what changed first."""
+        if not self.modules:
+            yield
+            return
+        self.refresh()
+        for module in self.modules:
+            module.forward = self._forward(module)
+        try:
+            yield
+        finally:
+            self.use_packed = False
+            for module in self.modules:
+                module.__dict__.pop("forward", None)
+
+    @contextmanager
+    def forward(self, rows: int) -> Iterator[None]:
+        """One forward over ``rows`` query rows, with the kernel chosen (or being measured) for their bucket."""
+        if not self.modules or rows > MAX_PACKED_ROWS:
+            yield
+            return
+        bucket = rows_bucket(rows)
+        choice = self.choice.get(bucket)
+        if choice is not None:
+            self.use_packed = choice
+            try:
+                yield
+            finally:
+                self.use_packed = False
+            return
+        times = self.trials.setdefault(bucket, {False: [], True: []})
+        self.use_packed = len(times[True]) < len(times[False])
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            times[self.use_packed].append(time.perf_counter() - start)
+            self.use_packed = False
+        if len(times[True]) >= TRIALS and len(times[False]) >= TRIALS:
+            self.choice[bucket] = statistics.median(times[True]) < MIN_GAIN * statistics.median(times[False])
+
+
+_KERNELS: weakref.WeakKeyDictionary[nn.Module, LinearKernels] = weakref.WeakKeyDictionary()
+
+
+def kernels_of(model: nn.Module) -> LinearKernels:
+    """The model's ``LinearKernels``, one per model however many engines run on it (one packed copy, one choice)."""
+    kernels = _KERNELS.get(model)
+    if kernels is None:
+        kernels = _KERNELS[model] = LinearKernels(model)
+    return kernels

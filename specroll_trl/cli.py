@@ -124,6 +124,7 @@ BENCH_RUNS = {
                  dict(steps=6, max_new_tokens=96, prompts_per_step=1)),
     "reflex": (dict(steps=8, repeats=3, max_new_tokens=192), dict(steps=4, repeats=1, max_new_tokens=128)),
     "shift": (dict(sft_steps=24, grpo_steps=6), dict(sft_steps=4, grpo_steps=2)),
+    "counts": (dict(batch_sizes=[1, 8], max_new_tokens=64), dict(batch_sizes=[1, 8], max_new_tokens=24)),
     "heads": (dict(nodes=[2, 4, 8, 16, 32], temperatures=[0.7, 1.0], prompts=8, max_new_tokens=256,
                    cost_batch_sizes=[1, 8, 32]),
               dict(nodes=[4, 16], temperatures=[0.7], prompts=2, max_new_tokens=64, cost_batch_sizes=[1])),
@@ -150,6 +151,17 @@ def _bench(args) -> int:
         return 0
     if args.what == "heads":
         return _bench_heads(args, run)
+    if args.what == "counts":
+        import torch
+
+        from .experiments.step_counts import bench_counts
+
+        records = bench_counts(args.model, batch_sizes=tuple(run["batch_sizes"]), nodes=tuple(args.nodes),
+                               max_new_tokens=run["max_new_tokens"], temperature=args.temperature,
+                               device=args.device, dtype=getattr(torch, args.dtype))
+        if args.out:
+            write_results(records, args.out, plot=False)
+        return 0
     if args.what == "ablation":
         from .experiments.ablation import bench_ablation, format_ablation, plot_ablation
         from .experiments.zoo import PRETRAINED
@@ -186,6 +198,7 @@ def _bench(args) -> int:
     records = bench_generation(args.model, batch_sizes=tuple(run["batch_sizes"]), repeats=run["repeats"],
                                max_new_tokens=run["max_new_tokens"], temperatures=tuple(run["temperatures"]),
                                max_nodes=args.max_nodes, fixed_nodes=tuple(args.fixed_nodes), rules=tuple(args.rules),
+                               unpacked=args.unpacked,
                                dtype=getattr(torch, args.dtype), device=args.device)
     print(format_table(records))
     if args.out:
@@ -213,7 +226,7 @@ def _bench_heads(args, run: dict) -> int:
                              groups=args.groups, device=args.device)
     if run["cost_batch_sizes"]:
         records += step_cost(model, tokenizer, next(iter(heads.values())), batch_sizes=run["cost_batch_sizes"],
-                             node_counts=[0, *run["nodes"]], device=args.device)
+                             node_counts=[0, *run["nodes"]], device=args.device, unpacked=args.unpacked)
     if args.out:
         write_results(records, args.out, plot=False)
         plot_heads(records, Path(args.out).with_suffix(".png"))
@@ -315,10 +328,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-nodes", type=int, default=16, help="N_max, draft nodes per row per step")
     gen.add_argument("--rules", nargs="*", default=[], choices=["top-k", "drawn"],
                      help="also run the online budget held to each of these verification rules (spec_<rule>)")
+    gen.add_argument("--unpacked", action="store_true",
+                     help="also run spec and every fixed_N with the model's own linear kernels (<mode>_unpacked)")
     gen.add_argument("--fixed-nodes", type=int, nargs="*", default=[0, 2, 4, 8],
                      help="draft nodes per row of the fixed-tree modes (fixed_N; 0: the loop without drafting)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     gen.add_argument("--device", default="cpu", help="device (cpu, cuda)")
+
+    counts, says = kind("counts", "per decoding step: tensor ops, host reads and engine Python lines outside the "
+                                  "forward, for generate, the no-draft loop and N-node trees (both rules)")
+    counts.add_argument("--batch-sizes", type=int, nargs="+", default=None, help=says("batch_sizes"))
+    counts.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
+    counts.add_argument("--nodes", type=int, nargs="+", default=[4], help="draft nodes per row of the drafted modes")
+    counts.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    counts.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    counts.add_argument("--device", default="cpu", help="device (cpu, cuda)")
 
     e2e, says = kind("e2e", "TRL GRPOTrainer vs SpecGRPOTrainer, same seed, 8 completions per prompt")
     e2e.add_argument("--steps", type=int, default=None, help=f"GRPO steps per run {says('steps')}")
@@ -376,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     hb.add_argument("--prompts", type=int, default=None,
                     help=f"GSM8K-test chat prompts from row 1000 on, 0 to skip the tau sweep {says('prompts')}")
     hb.add_argument("--max-new-tokens", type=int, default=None, help=says("max_new_tokens"))
+    hb.add_argument("--unpacked", action="store_true",
+                    help="step costs also with the model's own linear kernels (kernels: f_linear)")
     hb.add_argument("--cost-batch-sizes", type=int, nargs="*", default=None,
                     help=f"batch sizes of the step-cost curve, none to skip it {says('cost_batch_sizes')}")
     hb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")

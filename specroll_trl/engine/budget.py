@@ -65,7 +65,7 @@ class AcceptanceByWidth:
 
     def observe(self, num_nodes: int, accepted: float, path_scores: torch.Tensor) -> None:
         k = min(self.max_nodes, path_scores.shape[-1])
-        best = path_scores.double().topk(k, dim=-1).values.exp().cumsum(-1).mean(0)  # A(N) for N = 1..k
+        best = path_scores.double().topk(k, dim=-1).values.exp().cumsum(-1).mean(0).cpu()  # A(N) for N = 1..k
         curve = torch.cat([torch.zeros(1, dtype=torch.float64), best,
                            best[-1].expand(self.max_nodes - k)])  # no more candidates past k
         self.gain = 0.8 * self.gain + 0.2 * curve
@@ -131,6 +131,8 @@ class FixedBudget(NodeBudget):
 
     def plan(self, active_rows: int) -> tuple[str, int]:
         nodes = node_budget(self.capacity, active_rows, self.max_nodes)
+        if not nodes:
+            return self.rules[0], 0
         best = max(self.rules, key=lambda rule: float(self.accepted(rule)[nodes]))
         if len(self.rules) > 1 and nodes and self.rng.random() < self.explore:
             best = self.rng.choice(self.rules)

@@ -62,15 +62,21 @@ class TreeShape:
     ancestor_at: torch.Tensor
     log_reach: torch.Tensor
     max_depth: int = 0
-    levels: tuple = ()  # per depth d = 1..max_depth: (frontier node indices [f], children drawn per frontier node)
+    # per depth d = 1..max_depth: (frontier node indices [f], children drawn per frontier node w, the tree's nodes
+    # among those children [k], and their slots in the flattened [f * w] draws)
+    levels: tuple = ()
 
     def __post_init__(self):
         if not self.levels and self.parent.device.type == "cpu":  # read once, here, never in the decoding loop
             self.max_depth = int(self.depth.max())
-            self.levels = tuple(
-                (frontier, int((self.children[frontier] >= 0).sum(1).max()))
-                for d in range(self.max_depth)
-                for frontier in [((self.depth == d) & (self.children[:, 0] >= 0)).nonzero().squeeze(1)])
+            levels = []
+            for d in range(self.max_depth):
+                frontier = ((self.depth == d) & (self.children[:, 0] >= 0)).nonzero().squeeze(1)
+                width = int((self.children[frontier] >= 0).sum(1).max())
+                kids = self.children[frontier, :width].flatten()
+                slots = (kids >= 0).nonzero().squeeze(1)
+                levels.append((frontier, width, kids[slots], slots))
+            self.levels = tuple(levels)
 
     @property
     def size(self) -> int:
@@ -123,7 +129,8 @@ class TreeShape:
     def to(self, device) -> TreeShape:
         return TreeShape(*(t.to(device) for t in (self.parent, self.rank, self.depth, self.children,
                                                   self.ancestor_at, self.log_reach)),
-                         self.max_depth, tuple((frontier.to(device), width) for frontier, width in self.levels))
+                         self.max_depth, tuple((frontier.to(device), width, kept.to(device), slots.to(device))
+                               for frontier, width, kept, slots in self.levels))
 
 
 class AcceptanceByRank:
@@ -264,7 +271,7 @@ def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size:
     slot = torch.zeros(size, dtype=torch.long, device=device)
     q = []
     frontier_z, frontier_ids, frontier_source = [], [], []
-    for d, (frontier, width) in enumerate(shape.levels, start=1):
+    for d, (frontier, width, kept, slots) in enumerate(shape.levels, start=1):
         path_tokens = tokens[:, shape.ancestor_at[frontier, :d]]  # [B, f, d]
         path = embed(path_tokens) if embed is not None else None
         z, logq = propose(d, frontier, path, path_tokens)
@@ -280,10 +287,9 @@ def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size:
         else:
             picked = top[..., :width]
         ids = to_ids(picked)  # [B, f, width]
-        kids = shape.children[frontier, :width]  # [f, width]
-        has = kids >= 0
-        tokens[:, kids[has]] = ids[:, has]
-        index[:, kids[has]] = picked[:, has]
+        has = shape.children[frontier, :width] >= 0  # [f, width]
+        tokens[:, kept] = ids.flatten(1)[:, slots]
+        index[:, kept] = picked.flatten(1)[:, slots]
         q.append(logq.exp())
         slot[frontier] = sum(part.shape[1] for part in q[:-1]) + torch.arange(frontier.numel(), device=device)
         frontier_z.append(z)
@@ -298,7 +304,7 @@ def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size:
     tree = DraftTree(tokens=tokens, depth=depth, parent=shape.parent.expand(batch, -1),
                      ancestors=ancestors.expand(batch, -1, -1), path_tokens=path_tokens,
                      path_scores=shape.log_reach[1:].float().expand(batch, -1),
-                     source=(torch.arange(size, device=device) - 1).expand(batch, -1))
+                     source=(torch.arange(size, device=device) - 1).expand(batch, -1), max_depth=shape.max_depth)
     coordinates = torch.arange(q[0].shape[-1], device=device)
     vocab = to_ids(coordinates)
     whole = vocab.numel() == vocab_size and torch.equal(vocab, coordinates)

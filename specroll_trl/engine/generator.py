@@ -220,7 +220,7 @@ class DecodeState:
     target: TargetDistribution
     eos: torch.Tensor  # eos ids
     max_new: int
-    completion: torch.Tensor  # [B, max_new]
+    completion: torch.Tensor  # [B, max_new + H + 1]: committed tokens, then scratch a step may overwrite
     logprobs: torch.Tensor | None  # [B, max_new]
     done_len: torch.Tensor  # [B] completion tokens committed (the root included)
     accepted_at_depth: torch.Tensor  # [H] drafted row-steps that accepted at least d + 1 nodes
@@ -263,6 +263,19 @@ class Verification:
     hidden: torch.Tensor  # [B_t, n, D]
     sampled: torch.Tensor | None  # [B_t, n] one sample per node (top-k candidates; None for drawn ones)
     probs: torch.Tensor  # [B_t, n, V] the target's processed distribution at every node
+    finite: torch.Tensor  # [B_t] every logit of the row is finite
+
+
+@dataclass
+class StepRead:
+    """What the host reads of one step, all at once: the longest accepted path (root included) and the longest row
+    after it (the KV cache's bookkeeping), tokens committed, draft nodes accepted, and whether a row finished."""
+
+    width: int
+    longest: int
+    tokens: int
+    accepted: int
+    finished: bool
 
 
 @contextmanager
@@ -400,10 +413,10 @@ class SpeculativeGenerator:
                 step_start = time.perf_counter()
                 draft = self._draft(state, hooks, stats)
                 verdict = self._verify(state, draft.tree, draft.drawn is not None)
-                step = self._commit(state, draft, verdict, stats)
+                step, host = self._commit(state, draft, verdict, stats)
                 hooks.call("feedback", step)
-                self._observe_budget(draft, step, step_start)
-                self._retire(state, step, verdict)
+                self._observe_budget(draft, step, host, step_start)
+                self._retire(state, step, verdict, host)
         stats.pack_seconds = self.kernels.pack_seconds - pack_seconds
         return self._finish(state, hooks, stats, start)
 
@@ -424,11 +437,12 @@ class SpeculativeGenerator:
         self._check_finite(logits, 0, rows)
         uniforms = torch.rand((batch, max_new), device=device, dtype=torch.float64)
         root, _ = target.sample(target.scores(logits, input_ids, pad_len), uniforms[:, 0])
-        completion = torch.zeros((batch, max_new), dtype=torch.long, device=device)
+        # a step writes all its H + 1 tokens without reading how many it keeps: the rest lands past `done_len`
+        completion = torch.zeros((batch, max_new + self.heads.num_heads + 1), dtype=torch.long, device=device)
         completion[:, 0] = root
         logprobs = None
         if self.config.return_logprobs:
-            logprobs = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
+            logprobs = torch.zeros(completion.shape, dtype=torch.float32, device=device)
             logprobs[:, 0] = target.logprobs(logits).gather(1, root[:, None]).squeeze(1)
         kv = RaggedCache(cache, attention_mask.bool(), attention_mask.long().sum(1), self.config.compact_ratio)
         state = DecodeState(
@@ -528,7 +542,6 @@ class SpeculativeGenerator:
                              cache=kv.cache, use_cache=True)
         logits = out.logits  # [B, n, V]
         state.steps += 1
-        self._check_finite(logits, state.steps, state.rows)
         flat = logits.reshape(active * n, -1)
         if state.target.needs_sequences:
             scores = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
@@ -538,15 +551,16 @@ class SpeculativeGenerator:
             scores = state.target.scores(flat, *self._node_input_ids(state, tree))
         else:
             scores = state.target.scores(flat, None, None)
+        finite = torch.isfinite(flat).all(1).view(active, n).all(1)  # read with the step's other counts
         if drawn and tree.size > 1:
-            return Verification(logits, final[-1], None, torch.softmax(scores, dim=-1).view(active, n, -1))
+            return Verification(logits, final[-1], None, torch.softmax(scores, dim=-1).view(active, n, -1), finite)
         position = (state.done_len[state.rows][:, None] + tree.depth).clamp(max=state.max_new - 1)  # what it samples
         uniforms = state.uniforms[state.rows[:, None], position].reshape(-1)
         sampled, probs = state.target.sample(scores, uniforms)
-        return Verification(logits, final[-1], sampled.view(active, n), probs.view(active, n, -1))
+        return Verification(logits, final[-1], sampled.view(active, n), probs.view(active, n, -1), finite)
 
     def _commit(self, state: DecodeState, draft: Draft, verdict: Verification,
-                stats: GenerationStats) -> StepFeedback:
+                stats: GenerationStats) -> tuple[StepFeedback, StepRead]:
         """Write each row's emitted tokens (and their logprobs), keep the accepted KV entries, count."""
         rows, tree = state.rows, draft.tree
         root_index = state.done_len[rows] - 1
@@ -560,33 +574,42 @@ class SpeculativeGenerator:
             step = cut(tree, outcome.accepted, outcome.next_root, state.eos, room)
         else:
             step = emit(tree, verdict.sampled, state.eos, room)
-        j = torch.arange(step.tokens.shape[1], device=rows.device)[None]
-        write = j < step.count[:, None]
-        row_of = rows[:, None].expand_as(write)[write]
-        dest = (state.done_len[rows][:, None] + j).clamp(max=state.max_new - 1)[write]
-        state.completion[row_of, dest] = step.tokens[write]
+        num_acc = (step.accepted >= 0).sum(1)  # the root included
+        host = self._read_step(state, verdict, step, num_acc)
+        dest = state.done_len[rows][:, None] + torch.arange(step.tokens.shape[1], device=rows.device)[None]
+        state.completion[rows[:, None], dest] = step.tokens  # past `count`: scratch, overwritten by the next step
         if state.logprobs is not None:  # token j was sampled from the logits at accepted node j
             at = step.accepted.clamp(min=0)[..., None].expand(-1, -1, verdict.logits.shape[-1])
             lp = state.target.logprobs(verdict.logits.gather(1, at)).gather(2, step.tokens[..., None]).squeeze(2)
-            state.logprobs[row_of, dest] = lp[write]
+            state.logprobs[rows[:, None], dest] = lp
         state.done_len[rows] += step.count
-        state.kv.commit(step.accepted)
-        self._count(state, stats, draft, verdict, step)
+        state.kv.commit(step.accepted, host.width, host.longest)
+        self._count(state, stats, draft, verdict, step, num_acc, host)
         z, candidates, proposed = draft.proposals(step.accepted) if self.hooks else (None, None, None)
         return StepFeedback(rows=rows, root_index=root_index, z=z, candidates=candidates, tree=tree,
                             probs=verdict.probs, accepted=step.accepted, emitted=step.tokens, count=step.count,
                             finished=step.finished, hidden=state.hidden, proposed=proposed,
-                            next_root=step.next_root)
+                            next_root=step.next_root), host
+
+    def _read_step(self, state: DecodeState, verdict: Verification, step: Emission, num_acc: torch.Tensor) -> StepRead:
+        """The step's few numbers the host needs, in one device-to-host read; raises on non-finite logits before
+        anything of the step is committed."""
+        width, longest, tokens, accepted, finished, finite = torch.stack([
+            num_acc.max(), (state.kv.lengths + num_acc).max(), step.count.sum(), num_acc.sum() - num_acc.numel(),
+            step.finished.any().long(), verdict.finite.all().long()]).tolist()
+        if not finite:
+            self._check_finite(verdict.logits, state.steps, state.rows)
+        return StepRead(width, longest, tokens, accepted, bool(finished))
 
     def _count(self, state: DecodeState, stats: GenerationStats, draft: Draft, verdict: Verification,
-               step: Emission) -> None:
+               step: Emission, num_acc: torch.Tensor, host: StepRead) -> None:
         active = step.count.numel()
         stats.forwards += 1
         stats.row_forwards += active
-        stats.tokens += int(step.count.sum())
+        stats.tokens += host.tokens
         if not draft.num_nodes:
             return
-        num_acc = (step.accepted >= 0).sum(1) - 1
+        num_acc = num_acc - 1
         stats.drafted_row_steps += active
         depths = torch.arange(self.heads.num_heads, device=num_acc.device)
         state.accepted_at_depth += (num_acc[:, None] > depths).sum(0)
@@ -596,23 +619,23 @@ class SpeculativeGenerator:
             stats.expected_accepted += float(expected.sum())
             stats.accepted += int(num_acc.sum())
 
-    def _observe_budget(self, draft: Draft, step: StepFeedback, start: float) -> None:
+    def _observe_budget(self, draft: Draft, step: StepFeedback, host: StepRead, start: float) -> None:
         """Report the step to the node budget: its width, wall time and acceptance."""
         if step.count.is_cuda:
             torch.cuda.synchronize()
-        accepted = float(((step.accepted >= 0).sum(1) - 1).double().mean())
+        accepted = host.accepted / step.count.numel()
         scores = draft.tree.path_scores
         if draft.drawn is not None:  # every width's tree is a prefix of the widest one's
             scores = self.acceptance.shape(self.config.max_nodes, scores.device).log_reach[None, 1:]
         self.budget.observe(step.count.numel(), draft.num_nodes, time.perf_counter() - start, accepted, scores,
                             draft.rule)
 
-    def _retire(self, state: DecodeState, step: StepFeedback, verdict: Verification) -> None:
+    def _retire(self, state: DecodeState, step: StepFeedback, verdict: Verification, host: StepRead) -> None:
         """Advance every row to its next root (and the hidden state that produced it); drop finished rows."""
         last = step.accepted.gather(1, ((step.accepted >= 0).sum(1) - 1)[:, None]).squeeze(1)
         state.hidden = verdict.hidden.gather(1, last[:, None, None].expand(-1, 1, verdict.hidden.shape[-1])).squeeze(1)
         state.root = step.next_root
-        if step.finished.any():
+        if host.finished:
             self._keep(state, ~step.finished)
 
     @staticmethod

@@ -46,25 +46,33 @@ class RaggedCache:
         self.lengths = self.lengths.index_select(0, rows)
         self._trim_leading()
 
-    def commit(self, accepted: torch.Tensor) -> None:
+    def commit(self, accepted: torch.Tensor, width: int | None = None, longest: int | None = None) -> None:
         """After a tree forward appended ``n`` slots, keep each row's accepted ones, in path order.
 
-        ``accepted [B, A]``: tree node indices (``-1`` = nothing, becomes a hole).
+        ``accepted [B, A]``: tree node indices (``-1`` = nothing, becomes a hole); ``width``, the most any row
+        accepted, and ``longest``, the most logical tokens any row holds after this commit, when the caller already
+        read them (each is one device-to-host read otherwise).
         """
         past = self.physical_length
-        width = int((accepted >= 0).sum(1).max())
+        if width is None:
+            width = int((accepted >= 0).sum(1).max())
         accepted = accepted[:, :width]
-        index = accepted.clamp(min=0)
+        appended = self.cache.layers[0].keys.shape[2] - past
+        if appended > 1:  # a lone root (no draft) is already in place
+            kept, index = accepted.clamp(min=0)[:, None, :, None], {}
 
-        def gather(t):
-            idx = index[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3])
-            t[:, :, past : past + width] = t[:, :, past:].gather(2, idx)
-            return t[:, :, : past + width]  # a view: the next cache update copies anyway
+            def gather(t):
+                shape = (t.shape[0], t.shape[1], width, t.shape[3])
+                idx = index.get(shape)
+                if idx is None:  # one index per cache shape, not per layer
+                    idx = index[shape] = kept.expand(shape)
+                t.narrow(2, past, width).copy_(t.narrow(2, past, appended).gather(2, idx))
+                return t.narrow(2, 0, past + width)  # a view: the next cache update copies anyway
 
-        self._apply(gather)
+            self._apply(gather)
         self.valid = torch.cat([self.valid, accepted >= 0], dim=1)
         self.lengths = self.lengths + (accepted >= 0).sum(1)
-        holes = self.physical_length - int(self.lengths.max())
+        holes = self.physical_length - (int(self.lengths.max()) if longest is None else longest)
         if holes > self.compact_ratio * self.physical_length:
             self.compact()
 

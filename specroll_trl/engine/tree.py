@@ -72,6 +72,7 @@ class DraftTree:
     path_tokens: torch.Tensor
     path_scores: torch.Tensor | None = None  # [B, P] log-score of every candidate path (None: nothing drafted)
     source: torch.Tensor | None = None  # [B, 1+N] candidate index each node was picked from (-1: the root)
+    max_depth: int | None = None  # a bound on ``depth``, known without reading it (None: read it)
 
     @property
     def size(self) -> int:
@@ -96,7 +97,7 @@ def select_tree(root: torch.Tensor, topk_ids: torch.Tensor | None, topk_logp: to
         empty = torch.zeros((batch, 1), dtype=torch.long, device=device)
         return DraftTree(tokens=root[:, None], depth=empty, parent=empty - 1,
                          ancestors=torch.ones((batch, 1, 1), dtype=torch.bool, device=device),
-                         path_tokens=root[:, None, None].expand(batch, 1, num_heads + 1).clone())
+                         path_tokens=root[:, None, None].expand(batch, 1, num_heads + 1).clone(), max_depth=0)
     tokens, score = path_candidates(topk_ids, topk_logp, table)
     return tree_from_nodes(root, tokens, table.parent.expand(batch, -1), table.depth.expand(batch, -1), score,
                            num_nodes, num_heads)
@@ -228,4 +229,5 @@ def tree_from_nodes(root: torch.Tensor, tokens: torch.Tensor, parent: torch.Tens
         path_tokens.scatter_(2, node_depth.gather(1, node)[..., None], node_tokens.gather(1, node)[..., None])
         node = step_up.gather(1, node)
     return DraftTree(tokens=node_tokens, depth=node_depth, parent=parent_node, ancestors=ancestors,
-                     path_tokens=path_tokens, path_scores=score, source=torch.cat([zero - 1, picked], 1))
+                     path_tokens=path_tokens, path_scores=score, source=torch.cat([zero - 1, picked], 1),
+                     max_depth=min(num_heads, num_nodes))

@@ -220,7 +220,7 @@ def match_tree(tree: DraftTree, sampled: torch.Tensor) -> torch.Tensor:
         the tokens of accepted nodes after the root, then ``sampled`` at the last accepted node.
     """
     batch = tree.tokens.shape[0]
-    max_depth = int(tree.depth.max())
+    max_depth = int(tree.depth.max()) if tree.max_depth is None else tree.max_depth
     current = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)
     alive = torch.ones(batch, dtype=torch.bool, device=tree.tokens.device)
     path = [current]

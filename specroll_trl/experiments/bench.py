@@ -6,6 +6,7 @@ report medians and their ratio, because timings on shared CPUs are noisy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -44,12 +45,14 @@ def _vanilla(model, ids, mask, gc, **generate_kwargs) -> tuple[float, int]:
 def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64), repeats: int = 3,
                      max_new_tokens: int = 256, temperatures: Sequence[float] = (0.7, 1.0), max_nodes: int = 16,
                      fixed_nodes: Sequence[int] = (0, 2, 4, 8), rules: Sequence[str] = (), task: str | None = None,
-                     dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = True) -> list[dict]:
+                     dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = True,
+                     unpacked: bool = False) -> list[dict]:
     """One record per (temperature, batch size, mode): TRL's ``generate`` against the engine with the online node
     budget and its defaults (``spec``), with the online budget held to one verification rule (``spec_<rule>``, for
     each of ``rules``: ``top-k``, ``drawn``), with a fixed number of draft nodes per row (``fixed_N``; ``fixed_0`` is
     the engine's loop without drafting) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch
-    1). Each repeat
+    1); with ``unpacked``, ``spec`` and every ``fixed_N`` also with the model's own linear kernels throughout
+    (``<mode>_unpacked``: ``pack_linears=False``, the engine before ``engine.kernels``). Each repeat
     is one alternating round on its own prompts (a pretrained preset's: GSM8K-test chat prompts from row 1000 on,
     never used for its heads), the same prompts and seed for every mode; records hold medians and the spread over
     repeats. Each engine keeps its budget across calls, as in a training run, after one untimed warm-up call per
@@ -67,6 +70,10 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
                       for rule in rules})
         modes.update({f"fixed_{n}": SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9)
                       for n in fixed_nodes})
+        if unpacked:
+            modes.update({f"{mode}_unpacked": SpeculativeGenerator(model, heads, gc, config=dataclasses.replace(
+                engine.config, pack_linears=False)) for mode, engine in list(modes.items())
+                if mode == "spec" or mode.startswith("fixed_")})
         for batch_size in batch_sizes:
             inputs = [tuple(t.to(device) for t in left_pad(prompts, tokenizer.pad_token_id))
                       for prompts in _prompt_sets(model_name, tokenizer, task, batch_size, repeats)]

@@ -81,36 +81,43 @@ def tau_sweep(model, tokenizer, heads: dict[str, str | Path], node_counts=(2, 4,
 @torch.no_grad()
 def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32), node_counts=(0, 2, 4, 8, 16, 32),
               max_new_tokens: int = 48, repeats: int = 3, temperature: float = 0.7, device: str = "cpu",
-              progress: bool = True) -> list[dict]:
+              progress: bool = True, unpacked: bool = False) -> list[dict]:
     """One record per (batch size, nodes): the median seconds of one decoding step (draft + verify + commit, the
-    prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat."""
+    prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat; with
+    ``unpacked``, the same with the model's own linear kernels (``pack_linears=False``, records ``kernels:
+    "f_linear"``) alternated with the engine's measured choice (``"measured"``), each against its own plain step."""
     model = model.to(device)
     heads = SpeculativeHeads.from_pretrained(heads_folder, device=model.device, dtype=model.dtype)
     gc = sampling_config(model, temperature, max_new_tokens)
     records = []
     for batch in batch_sizes:
         ids, mask = (t.to(model.device) for t in left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id))
-        engines = {n: SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=n) for n in node_counts}
-        engines[0].generate(ids, mask, max_new_tokens=2)  # warm-up
-        per_step = {n: [] for n in node_counts}
+        kinds = ("measured", "f_linear") if unpacked else ("measured",)
+        engines = {(kind, n): SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=n,
+                                                   pack_linears=kind == "measured")
+                   for kind in kinds for n in node_counts}
+        for engine in engines.values():  # warm-up: the kernels' choice for each width is measured here
+            engine.generate(ids, mask, max_new_tokens=8)
+        per_step = {key: [] for key in engines}
         for r in range(repeats):
             start = time.perf_counter()
-            engines[0].generate(ids, mask, max_new_tokens=1)
+            engines["measured", 0].generate(ids, mask, max_new_tokens=1)
             if ids.is_cuda:
                 torch.cuda.synchronize()
             prefill = time.perf_counter() - start
-            for n, engine in engines.items():
+            for key, engine in engines.items():
                 torch.manual_seed(r)
                 stats = engine.generate(ids, mask).stats
-                per_step[n].append((stats.seconds - prefill) / max(1, stats.forwards - 1))
-        base = statistics.median(per_step[0])
-        for n in node_counts:
-            step = statistics.median(per_step[n])
-            records.append({"batch_size": batch, "nodes": n, "step_s": step, "relative": step / base,
-                            "break_even_tau": step / base})
-            if progress:
-                print(f"batch {batch:>2} nodes {n:>2}: step {1000 * step:7.1f} ms = {step / base:.2f}x a plain step",
-                      flush=True)
+                per_step[key].append((stats.seconds - prefill) / max(1, stats.forwards - 1))
+        for kind in kinds:
+            base = statistics.median(per_step[kind, 0])
+            for n in node_counts:
+                step = statistics.median(per_step[kind, n])
+                records.append({"batch_size": batch, "nodes": n, "step_s": step, "relative": step / base,
+                                "break_even_tau": step / base, "kernels": kind})
+                if progress:
+                    print(f"batch {batch:>2} nodes {n:>2} {kind:>8}: step {1000 * step:7.1f} ms = {step / base:.2f}x "
+                          "a plain step", flush=True)
     return records
 
 
@@ -129,10 +136,11 @@ def plot_heads(records: list[dict], path: str | Path) -> None:
         ax.plot(nodes, tau, marker="o",
                 ls="-" if temperature == 0.7 else "--", label=f"{name}{f', {rule}' if rule else ''}, T={temperature}")
     costs = [r for r in records if "break_even_tau" in r]
-    for batch in dict.fromkeys(r["batch_size"] for r in costs):
-        rows = [r for r in costs if r["batch_size"] == batch]
-        ax.plot([r["nodes"] for r in rows], [r["break_even_tau"] for r in rows], ls=":", color="grey",
-                marker=".", label=f"break-even tau here, {batch} row{'s' * (batch > 1)}")
+    for batch, kind in dict.fromkeys((r["batch_size"], r.get("kernels", "measured")) for r in costs):
+        rows = [r for r in costs if r["batch_size"] == batch and r.get("kernels", "measured") == kind]
+        ax.plot([r["nodes"] for r in rows], [r["break_even_tau"] for r in rows], ls=":",
+                color="grey" if kind == "measured" else "lightcoral", marker=".",
+                label=f"break-even tau here, {batch} row{'s' * (batch > 1)}{', F.linear' * (kind == 'f_linear')}")
     ax.set_xscale("symlog", base=2)
     ax.set_xlabel("draft nodes per row")
     ax.set_ylabel("tau (tokens per target forward per row)")

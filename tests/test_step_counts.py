@@ -1,0 +1,56 @@
+"""The lean loop's guard: what a decoding step does outside the model's forward (tensor operations, host reads,
+engine Python lines) must not grow with the rows in the batch nor with the nodes of a tree of the same depth.
+An operation, a ``.item()`` or a Python loop per row or per node that creeps back in fails here."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from specroll_trl.engine import SpeculativeGenerator
+from specroll_trl.experiments.step_counts import count_engine, count_generate
+
+from .conftest import make_model
+from .test_engine import noisy_heads
+
+HEADS = 3
+
+
+def counts(rows: int, **options):
+    model = make_model(vocab=64, hidden=32, seed=4)
+    heads = noisy_heads(model, num_heads=HEADS, std=0.2, kind="path")
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=20, eos_token_id=None,
+                          pad_token_id=0)
+    engine = SpeculativeGenerator(model, heads, gc, capacity=10**9, **options)
+    engine.acceptance.observe = lambda *args: None  # drawn trees keep one shape: same depth at every batch size
+    torch.manual_seed(0)
+    ids = torch.randint(2, 64, (rows, 6))
+    engine.generate(ids, torch.ones_like(ids))
+    return count_engine(engine, ids, torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("options", [dict(max_nodes=0), dict(max_nodes=4, candidates="top-k"),
+                                     dict(max_nodes=4, candidates="drawn")], ids=["no-draft", "top-k", "drawn"])
+def test_a_step_does_not_grow_with_rows(options):
+    one, many = counts(1, **options), counts(8, **options)
+    assert many.ops <= 1.05 * one.ops + 2
+    # rows that finish at different steps each cost a read or two when they leave (once per row per call): a read
+    # per row per step would add 7 here
+    assert many.syncs <= one.syncs + 2
+    assert many.lines <= 1.05 * one.lines + 5
+
+
+def test_a_step_does_not_grow_with_nodes_at_the_same_depth():
+    few, many = counts(4, max_nodes=HEADS, candidates="top-k"), counts(4, max_nodes=12, candidates="top-k")
+    assert many.ops <= 1.05 * few.ops + 2
+    assert many.syncs <= few.syncs + 1
+    assert many.lines <= 1.05 * few.lines + 5
+
+
+def test_the_no_draft_loop_reads_the_host_about_once_per_step():
+    model = make_model(vocab=64, hidden=32, seed=4)
+    gc = GenerationConfig(do_sample=True, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    ids = torch.randint(2, 64, (4, 6))
+    plain = counts(4, max_nodes=0)
+    reference = count_generate(model, ids, torch.ones_like(ids), gc)
+    assert reference.syncs <= 2 and reference.ops > 0
+    assert plain.syncs <= reference.syncs + 1  # one read of the step's numbers

@@ -110,6 +110,10 @@ class SpecGRPOConfig(GRPOConfig):
             formula `N_t = clamp(floor(C_hw / B_t) - 1, 0, N_max)`.
         spec_fallback_to_generate (`bool`, *optional*, defaults to `True`):
             On a model the engine cannot run (e.g. FlashAttention-2 only), log and use `generate`.
+        spec_pack_linears (`bool`, *optional*, defaults to `True`):
+            On CPU, compute the policy's float32 linear layers from weights packed once for oneDNN wherever the
+            engine's own forwards measure that faster (per bucket of query rows). The packed copies double those
+            weights' memory and are rebuilt after each optimizer step (logged as `spec/pack_seconds`).
 
     > Adaptation
 
@@ -143,6 +147,7 @@ class SpecGRPOConfig(GRPOConfig):
     spec_max_nodes: int = field(default=16, metadata={"help": "N_max: draft nodes per row per step."})
     spec_capacity: int | None = field(default=None, metadata={"help": "C_hw of the fixed budget; None: online."})
     spec_fallback_to_generate: bool = field(default=True, metadata={"help": "Unsupported model: use generate."})
+    spec_pack_linears: bool = field(default=True, metadata={"help": "CPU: packed linear kernels where faster."})
     spec_reflex: str | None = field(default="lookup", metadata={"help": "Reflex preset name; None: off."})
     spec_reflex_kwargs: dict | str | None = field(default=None, metadata={"help": "Settings of the Reflex hooks."})
     spec_consolidation: bool = field(default=False, metadata={"help": "Enable the slow path."})
@@ -205,7 +210,8 @@ def engine_config(spec) -> SpeculativeConfig:
     try:
         return SpeculativeConfig(candidates=spec.spec_candidates, fixed_children=spec.spec_fixed_children,
                                  topk_per_head=spec.spec_topk_per_head, max_nodes=spec.spec_max_nodes,
-                                 capacity=spec.spec_capacity, fallback_to_generate=spec.spec_fallback_to_generate)
+                                 capacity=spec.spec_capacity, fallback_to_generate=spec.spec_fallback_to_generate,
+                                 pack_linears=spec.spec_pack_linears)
     except (TypeError, ValueError) as err:
         raise type(err)(f"spec_{err}") from err
 
@@ -442,7 +448,8 @@ class SpecGRPOTrainer(GRPOTrainer):
         metrics = {"spec/tau": stats.tau, "spec/generation_seconds": seconds,
                    "spec/tokens_per_s": stats.tokens / max(seconds, 1e-9), "spec/forwards": float(stats.forwards),
                    "spec/tree_nodes_per_row": sum(nodes) / len(nodes), "spec/active_rows": sum(active) / len(active),
-                   "spec/drawn_share": stats.drawn_row_steps / max(1, stats.drafted_row_steps)}
+                   "spec/drawn_share": stats.drawn_row_steps / max(1, stats.drafted_row_steps),
+                   "spec/pack_seconds": stats.pack_seconds}
         for name, seconds in stats.hook_seconds.items():
             metrics[f"spec/{name}/seconds"] = seconds
         for name, values in stats.hook_metrics.items():

@@ -103,6 +103,7 @@ SINKS = {  # where the handlers hand their settings: replaced by recorders, so n
                                        "format_table"],
     "specroll_trl.experiments.ablation": ["bench_ablation", "format_ablation", "plot_ablation"],
     "specroll_trl.experiments.shift": ["bench_shift"],
+    "specroll_trl.experiments.step_counts": ["bench_counts"],
     "specroll_trl.experiments.heads_bench": ["tau_sweep", "step_cost", "plot_heads"],
     "specroll_trl.experiments.demo": ["run_demo", "format_summary"],
     "specroll_trl.experiments.zoo": ["load_policy", "resolve_policy", "build_heads", "task_examples",

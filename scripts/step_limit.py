@@ -68,7 +68,7 @@ def forward_ms(model, split: Split, kernels: LinearKernels, rows: int, k: int, r
     with torch.no_grad(), kernels.active():
         for _ in range(repeats + 1):  # the first of each is a warm-up
             for packed in (False, True):
-                kernels.choice[rows_bucket(rows * k)] = packed
+                kernels.choice.update({(i, rows_bucket(rows * k)): packed for i in range(len(kernels.modules))})
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys[:, :, :PREFIX], layer.values[:, :, :PREFIX]
                 with kernels.forward(rows * k):

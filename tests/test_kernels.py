@@ -1,12 +1,14 @@
 """Packed linear kernels (``engine.kernels``): same numbers as ``F.linear`` to float rounding, repacked when the
-weights move, chosen per bucket of query rows by what the engine's own forwards measure, and the exactness proofs
-(greedy identity, chi-square) hold with every forward forced through them."""
+weights move, chosen per layer and bucket of query rows by what the engine's own forwards measure, and the exactness
+proofs (greedy identity, chi-square) hold with every forward forced through them."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import GenerationConfig
 
 from specroll_trl.engine import SpeculativeGenerator, SpeculativeHeads
@@ -26,11 +28,15 @@ from .test_engine import (
 pytestmark = pytest.mark.skipif(not packed_kernel_available(), reason="this torch build has no oneDNN")
 
 
+def choose(kernels: LinearKernels, packed: bool, rows=range(1, 1 << 16)) -> None:
+    kernels.choice.update({(i, b): packed for i in range(len(kernels.modules)) for b in {rows_bucket(r) for r in rows}})
+
+
 def force_packed(monkeypatch, model) -> LinearKernels:
     """Every forward of ``model`` through the packed kernel, whatever its row count (the proofs' worst case)."""
     monkeypatch.setattr(kernels_mod, "MAX_PACKED_ROWS", 1 << 20)
     kernels = kernels_of(model)
-    kernels.choice.update({rows_bucket(r): True for r in range(1, 1 << 16)})
+    choose(kernels, True)
     return kernels
 
 
@@ -45,22 +51,22 @@ def test_packed_forward_matches_f_linear_and_restores_the_modules():
     reference = logits(model, ids)
     kernels = LinearKernels(model)
     assert len(kernels.modules) == len([m for m in model.modules() if isinstance(m, nn.Linear)])
-    kernels.choice[rows_bucket(14)] = True
+    choose(kernels, True, [14])
     with kernels.active(), kernels.forward(14):
-        assert kernels.use_packed
+        assert kernels.bucket == 16
         packed = logits(model, ids)
     torch.testing.assert_close(packed, reference, rtol=1e-4, atol=1e-4)
     assert all("forward" not in m.__dict__ for m in kernels.modules)
     with pytest.raises(RuntimeError, match="boom"), kernels.active(), kernels.forward(14):
         raise RuntimeError("boom")
-    assert all("forward" not in m.__dict__ for m in kernels.modules) and not kernels.use_packed
+    assert all("forward" not in m.__dict__ for m in kernels.modules) and kernels.bucket is None
 
 
 def test_weights_changed_in_place_are_repacked():
     model = make_model(vocab=48, hidden=32)
     ids = torch.randint(0, 48, (1, 5))
     kernels = LinearKernels(model)
-    kernels.choice[rows_bucket(5)] = True
+    choose(kernels, True, [5])
     with kernels.active():
         pass
     with torch.no_grad():  # an optimizer step: in place
@@ -73,26 +79,39 @@ def test_weights_changed_in_place_are_repacked():
     assert kernels.pack_seconds > 0
 
 
-@pytest.mark.parametrize("slow_kernel,chosen", [(True, False), (False, True)])
-def test_the_faster_kernel_is_chosen_per_bucket_by_the_forwards_it_runs(slow_kernel, chosen):
-    """Forwards of a bucket alternate the two kernels ``TRIALS`` times each; the faster is kept from then on."""
-    kernels = LinearKernels(make_model())
-    seen = []
+@pytest.mark.parametrize("slow", ["packed", "f_linear"])
+def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow):
+    """A layer's calls in a bucket alternate the two kernels ``TRIALS`` times each; the faster is kept from then on."""
+    calls = []
+
+    def slowed(kernel, name):
+        def run(*args):
+            calls.append(name)
+            time.sleep(0.002 if name == slow else 0)
+            return kernel(*args)
+        return run
+
+    monkeypatch.setattr(kernels_mod, "packed_linear", slowed(kernels_mod.packed_linear, "packed"))
+    monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(F.linear, "f_linear")))
+    model = make_model()
+    ids = torch.randint(0, 32, (1, 3))
+    kernels = LinearKernels(model)
+    layers = len(kernels.modules)
     with kernels.active():
         for _ in range(2 * TRIALS):
             with kernels.forward(3):
-                seen.append(kernels.use_packed)
-                if kernels.use_packed == slow_kernel:
-                    time.sleep(0.02)
-        assert seen == [False, True] * TRIALS
-        assert kernels.choice == {3: chosen}
+                logits(model, ids)
+        assert calls == [kind for kind in ["f_linear", "packed"] * TRIALS for _ in range(layers)]
+        assert kernels.choice == {(i, 3): slow == "f_linear" for i in range(layers)}
+        calls.clear()
         with kernels.forward(3):
-            assert kernels.use_packed == chosen
+            logits(model, ids)
+        assert calls == ["packed" if slow == "f_linear" else "f_linear"] * layers
         with kernels.forward(2):  # another bucket: measured anew
-            assert not kernels.use_packed
+            logits(model, ids[:, :2])
         with kernels.forward(10**6):  # past MAX_PACKED_ROWS: F.linear, nothing measured
-            assert not kernels.use_packed
-    assert set(kernels.trials) == {2, 3}
+            logits(model, ids)
+    assert {bucket for _, bucket in kernels.trials} == {2, 3}
 
 
 def test_only_plain_float32_cpu_linears_take_part():

@@ -1,13 +1,15 @@
-"""``LinearKernels``: which kernel computes a model's linear layers in a forward over a given number of query rows.
+"""``LinearKernels``: which kernel computes each of a model's linear layers in a forward over a given number of query
+rows.
 
 A verification forward over a few query tokens is where a CPU BLAS pays most above what reading the weights costs:
 for more than one row ``F.linear`` runs a GEMM that repacks the weight on every call, so a forward over 3 tokens
 costs about 1.7x one token's although it reads the same weights (``benchmarks/README.md``, "A step at the
 weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count.
-Which is faster depends on the machine, the model and the row count, so it is measured, never assumed, and in
-place: the engine's own forwards over a bucket of query rows alternate the two kernels until each has run
-``TRIALS`` times, then the faster (by median, by at least ``1 - MIN_GAIN``) computes every later forward of that
-bucket. No forward is spent on measuring.
+Which is faster depends on the machine, the layer's shape and the row count (on these cores the packed
+``lm_head`` wins at every row count, the small decoder matrices lose at one row), so it is measured, never
+assumed, and in place: per layer and bucket of query rows, that layer's calls inside the engine's own forwards
+alternate the two kernels until each has run ``TRIALS`` times, then the faster (by median, by at least
+``1 - MIN_GAIN``) computes every later call. No forward is spent on measuring.
 
 Packed copies are rebuilt whenever a weight changes (its version counter or storage moves: an optimizer step, a
 ``load_state_dict``), so generation always reads the parameters the trainer updates; the time spent packing is
@@ -49,18 +51,22 @@ def _eligible(module: nn.Module) -> bool:
             and weight.dtype == torch.float32 and weight.dim() == 2 and weight.numel() > 0)
 
 
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class LinearKernels:
-    """A model's eligible linear layers, their packed weights, and per bucket of query rows the measured choice
-    between ``F.linear`` and the packed kernel. Use ``with kernels.active():`` around a generation call and
-    ``with kernels.forward(rows):`` around each forward whose kernel is chosen by its rows."""
+    """A model's eligible linear layers, their packed weights, and per layer and bucket of query rows the measured
+    choice between ``F.linear`` and the packed kernel. Use ``with kernels.active():`` around a generation call and
+    ``with kernels.forward(rows):`` around each forward whose kernels are chosen by its rows."""
 
     def __init__(self, model: nn.Module):
         self.modules = ([m for m in model.modules() if isinstance(m, nn.Linear) and _eligible(m)]
                         if packed_kernel_available() else [])
         self.packed: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
-        self.trials: dict[int, dict[bool, list[float]]] = {}  # bucket -> {packed?: forward seconds}
-        self.choice: dict[int, bool] = {}  # bucket -> packed wins
-        self.use_packed = False
+        self.trials: dict[tuple[int, int], tuple[list[float], list[float]]] = {}  # (layer, bucket) -> seconds
+        self.choice: dict[tuple[int, int], bool] = {}  # (layer, bucket) -> packed wins
+        self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.pack_seconds = 0.0
 
     def refresh(self) -> None:
@@ -74,58 +80,56 @@ class LinearKernels:
                 self.packed[module] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 3))
         self.pack_seconds += time.perf_counter() - start
 
-    def _forward(self, module: nn.Linear):
+    def _forward(self, index: int, module: nn.Linear):
         weight, bias = module.weight, module.bias
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if self.use_packed and not torch.is_grad_enabled():
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed[module][1], bias, "none", [], "")
-            return F.linear(x, weight, bias)
+            if self.bucket is None or torch.is_grad_enabled():
+                return F.linear(x, weight, bias)
+            key = (index, self.bucket)
+            packed = self.choice.get(key)
+            if packed is not None:
+                return packed_linear(x, self.packed[module][1], bias) if packed else F.linear(x, weight, bias)
+            times = self.trials.setdefault(key, ([], []))
+            packed = len(times[1]) < len(times[0])  # alternate, F.linear first
+            start = time.perf_counter()
+            out = packed_linear(x, self.packed[module][1], bias) if packed else F.linear(x, weight, bias)
+            times[packed].append(time.perf_counter() - start)
+            if len(times[1]) >= TRIALS:
+                self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
+            return out
 
         return forward
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """Inside, the eligible layers compute with the kernel ``forward(rows)`` chose (``F.linear`` outside a
-        ``forward`` block). Repacks what changed first."""
+        """Inside, the eligible layers compute with the kernel chosen for the rows of the ``forward(rows)`` block they
+        run in (``F.linear`` outside one). Repacks what changed first."""
         if not self.modules:
             yield
             return
         self.refresh()
-        for module in self.modules:
-            module.forward = self._forward(module)
+        for index, module in enumerate(self.modules):
+            module.forward = self._forward(index, module)
         try:
             yield
         finally:
-            self.use_packed = False
+            self.bucket = None
             for module in self.modules:
                 module.__dict__.pop("forward", None)
 
     @contextmanager
     def forward(self, rows: int) -> Iterator[None]:
-        """One forward over ``rows`` query rows, with the kernel chosen (or being measured) for their bucket."""
+        """One forward over ``rows`` query rows: each layer with the kernel chosen (or being measured) for it and
+        their bucket."""
         if not self.modules or rows > MAX_PACKED_ROWS:
             yield
             return
-        bucket = rows_bucket(rows)
-        choice = self.choice.get(bucket)
-        if choice is not None:
-            self.use_packed = choice
-            try:
-                yield
-            finally:
-                self.use_packed = False
-            return
-        times = self.trials.setdefault(bucket, {False: [], True: []})
-        self.use_packed = len(times[True]) < len(times[False])
-        start = time.perf_counter()
+        self.bucket = rows_bucket(rows)
         try:
             yield
         finally:
-            times[self.use_packed].append(time.perf_counter() - start)
-            self.use_packed = False
-        if len(times[True]) >= TRIALS and len(times[False]) >= TRIALS:
-            self.choice[bucket] = statistics.median(times[True]) < MIN_GAIN * statistics.median(times[False])
+            self.bucket = None
 
 
 _KERNELS: weakref.WeakKeyDictionary[nn.Module, LinearKernels] = weakref.WeakKeyDictionary()

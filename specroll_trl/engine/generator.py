@@ -221,7 +221,7 @@ class DecodeState:
     eos: torch.Tensor  # eos ids
     max_new: int
     completion: torch.Tensor  # [B, max_new + H + 1]: committed tokens, then scratch a step may overwrite
-    logprobs: torch.Tensor | None  # [B, max_new]
+    logprobs: torch.Tensor | None  # like completion
     done_len: torch.Tensor  # [B] completion tokens committed (the root included)
     accepted_at_depth: torch.Tensor  # [H] drafted row-steps that accepted at least d + 1 nodes
     rows: torch.Tensor  # [B_t] the rows still generating

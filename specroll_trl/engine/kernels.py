@@ -13,10 +13,10 @@ alternate the two kernels until each has run ``TRIALS`` times, then the faster (
 
 Packed copies are rebuilt whenever a weight changes (its version counter or storage moves: an optimizer step, a
 ``load_state_dict``), so generation always reads the parameters the trainer updates; the time spent packing is
-counted (``pack_seconds``). Only plain ``nn.Linear`` modules with float32 weights on CPU whose ``forward`` nobody
-replaced (accelerate's hooks, PEFT's wrappers keep theirs; a LoRA layer's base ``nn.Linear`` takes part) are
-candidates, and only where oneDNN is built in: elsewhere (a GPU) every forward computes as the model does. The
-packed copies double those weights' memory.
+counted (``pack_seconds``). Only plain ``nn.Linear`` modules with whole (unsharded) float32 weights on CPU whose
+``forward`` nobody replaced (accelerate's hooks, PEFT's wrappers keep theirs; a LoRA layer's base ``nn.Linear``
+takes part) are candidates, and only where oneDNN is built in: elsewhere (a GPU, ZeRO-3, FSDP) every forward
+computes as the model does. The packed copies double those weights' memory.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def rows_bucket(rows: int) -> int:
 
 def _eligible(module: nn.Module) -> bool:
     weight = module.weight
-    return (type(module) is nn.Linear and "forward" not in module.__dict__ and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.numel() > 0)
+    return (type(module) is nn.Linear and "forward" not in module.__dict__ and type(weight.data) is torch.Tensor
+            and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.numel() > 0)  # not sharded (ZeRO-3: empty; FSDP2: DTensor), not on an accelerator
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

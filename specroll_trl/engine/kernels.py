@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 MAX_PACKED_ROWS = 256  # above this many query rows GEMM's own packing is amortised: F.linear, nothing measured
-TRIALS = 3  # forwards per kernel before a bucket's choice is made
+TRIALS = 3  # calls per kernel, per layer and bucket, before the choice is made
 MIN_GAIN = 0.95  # packed must be 5% faster to be chosen: a tie keeps the model's own kernel (and its rounding)
 
 

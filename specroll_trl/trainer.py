@@ -113,7 +113,7 @@ class SpecGRPOConfig(GRPOConfig):
         spec_pack_linears (`bool`, *optional*, defaults to `True`):
             On CPU, compute the policy's float32 linear layers from weights packed once for oneDNN wherever the
             engine's own forwards measure that faster (per bucket of query rows). The packed copies double those
-            weights' memory and are rebuilt after each optimizer step (logged as `spec/pack_seconds`).
+            weights' memory and are rebuilt at every generation call (logged as `spec/pack_seconds`).
 
     > Adaptation
 

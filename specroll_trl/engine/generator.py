@@ -79,7 +79,7 @@ class SpeculativeConfig:
         pack_linears: compute the model's linear layers (float32, on CPU) with weights packed once for oneDNN where
             that measures faster than ``F.linear`` for the layer's shape and row count (``engine.kernels``): a
             forward over a few query tokens then reads each weight once. The packed copies double those weights'
-            memory and are rebuilt when the weights change. ``False``: every layer as the model computes it.
+            memory and are rebuilt at every call. ``False``: every layer as the model computes it.
     """
 
     candidates: str = "auto"

@@ -11,9 +11,10 @@ assumed, and in place: per layer and bucket of query rows, that layer's calls in
 alternate the two kernels until each has run ``TRIALS`` times, then the faster (by median, by at least
 ``1 - MIN_GAIN``) computes every later call. No forward is spent on measuring.
 
-Packed copies are rebuilt whenever a weight changes (its version counter or storage moves: an optimizer step, a
-``load_state_dict``), so generation always reads the parameters the trainer updates; the time spent packing is
-counted (``pack_seconds``). Only plain ``nn.Linear`` modules with whole (unsharded) float32 weights on CPU whose
+Packed copies are rebuilt at the start of every generation call, so generation always reads the parameters the
+trainer updated (a weight's version counter is no witness: trainers update parameters through ``.data``, which
+does not move it); the time spent packing is counted (``pack_seconds``). Only plain ``nn.Linear`` modules with
+whole (unsharded) float32 weights on CPU whose
 ``forward`` nobody replaced (accelerate's hooks, PEFT's wrappers keep theirs; a LoRA layer's base ``nn.Linear``
 takes part) are candidates, and only where oneDNN is built in: elsewhere (a GPU, ZeRO-3, FSDP) every forward
 computes as the model does. The packed copies double those weights' memory.
@@ -64,21 +65,17 @@ class LinearKernels:
     def __init__(self, model: nn.Module):
         self.modules = ([m for m in model.modules() if isinstance(m, nn.Linear) and _eligible(m)]
                         if packed_kernel_available() else [])
-        self.packed: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
+        self.packed: dict[nn.Linear, torch.Tensor] = {}
         self.trials: dict[tuple[int, int], tuple[list[float], list[float]]] = {}  # (layer, bucket) -> seconds
         self.choice: dict[tuple[int, int], bool] = {}  # (layer, bucket) -> packed wins
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.pack_seconds = 0.0
 
     def refresh(self) -> None:
-        """Repack every weight that changed since it was packed (all of them the first time)."""
+        """Pack every weight as it is now."""
         start = time.perf_counter()
         for module in self.modules:
-            weight = module.weight
-            stamp = (weight._version, weight.data_ptr())
-            held = self.packed.get(module)
-            if held is None or held[0] != stamp:
-                self.packed[module] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 3))
+            self.packed[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 3)
         self.pack_seconds += time.perf_counter() - start
 
     def _forward(self, index: int, module: nn.Linear):
@@ -90,11 +87,11 @@ class LinearKernels:
             key = (index, self.bucket)
             packed = self.choice.get(key)
             if packed is not None:
-                return packed_linear(x, self.packed[module][1], bias) if packed else F.linear(x, weight, bias)
+                return packed_linear(x, self.packed[module], bias) if packed else F.linear(x, weight, bias)
             times = self.trials.setdefault(key, ([], []))
             packed = len(times[1]) < len(times[0])  # alternate, F.linear first
             start = time.perf_counter()
-            out = packed_linear(x, self.packed[module][1], bias) if packed else F.linear(x, weight, bias)
+            out = packed_linear(x, self.packed[module], bias) if packed else F.linear(x, weight, bias)
             times[packed].append(time.perf_counter() - start)
             if len(times[1]) >= TRIALS:
                 self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
@@ -105,7 +102,7 @@ class LinearKernels:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Inside, the eligible layers compute with the kernel chosen for the rows of the ``forward(rows)`` block they
-        run in (``F.linear`` outside one). Repacks what changed first."""
+        run in (``F.linear`` outside one). Packs the weights first."""
         if not self.modules:
             yield
             return

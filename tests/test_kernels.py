@@ -67,8 +67,8 @@ def test_weights_changed_through_data_are_repacked():
     ids = torch.randint(0, 48, (1, 5))
     kernels = LinearKernels(model)
     choose(kernels, True, [5])
-    with kernels.active():
-        pass
+    with kernels.active(), kernels.forward(5):
+        logits(model, ids)
     with torch.no_grad():  # a trainer's update: through .data, which leaves the version counter alone
         for p in model.parameters():
             p.data.add_(0.05 * torch.randn_like(p))
@@ -77,6 +77,25 @@ def test_weights_changed_through_data_are_repacked():
         packed = logits(model, ids)
     torch.testing.assert_close(packed, reference, rtol=1e-4, atol=1e-4)
     assert kernels.pack_seconds > 0
+
+
+def test_only_layers_that_run_packed_are_packed_and_only_during_the_call(monkeypatch):
+    model = make_model(vocab=48, hidden=32)
+    kernels = LinearKernels(model)
+    choose(kernels, False)
+    choose(kernels, True, [5])
+    packing = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, *a: packing.append(w) or reorder(w, *a))
+    with kernels.active():
+        with kernels.forward(1):
+            logits(model, torch.randint(0, 48, (1, 1)))
+        assert packing == [] and kernels.packed == {}  # F.linear chosen at one row: nothing packed
+        with kernels.forward(5):
+            logits(model, torch.randint(0, 48, (1, 5)))
+            logits(model, torch.randint(0, 48, (1, 5)))
+        assert len(packing) == len(kernels.modules) == len(kernels.packed)  # once per layer per call
+    assert kernels.packed == {}  # dropped: no second copy while the trainer trains
 
 
 @pytest.mark.parametrize("slow", ["packed", "f_linear"])

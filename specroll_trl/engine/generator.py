@@ -133,7 +133,7 @@ class GenerationStats(Mapping):
         accepted: draft nodes accepted (counted with ``track_expected_acceptance``).
         expected_accepted: their expectation under the target (likewise).
         sync_forwards: throwaway forwards that kept this rank in step with the others.
-        pack_seconds: time of the call spent packing the weights that changed since the last call (``engine.kernels``).
+        pack_seconds: time of the call spent packing weights for the packed linear kernels (``engine.kernels``).
         capacity: ``C_hw`` of a fixed budget (``None``: the online budget).
         fallback: the call went through ``model.generate`` (``reason`` says why).
         hook_seconds: wall time spent in each hook, by hook name.

@@ -11,13 +11,15 @@ assumed, and in place: per layer and bucket of query rows, that layer's calls in
 alternate the two kernels until each has run ``TRIALS`` times, then the faster (by median, by at least
 ``1 - MIN_GAIN``) computes every later call. No forward is spent on measuring.
 
-Packed copies are rebuilt at the start of every generation call, so generation always reads the parameters the
-trainer updated (a weight's version counter is no witness: trainers update parameters through ``.data``, which
-does not move it); the time spent packing is counted (``pack_seconds``). Only plain ``nn.Linear`` modules with
+A layer's weight is packed at its first packed call of a generation call and the copy dropped when the call
+ends, so generation always reads the parameters the trainer updated (a weight's version counter is no witness:
+trainers update parameters through ``.data``, which does not move it), layers whose choice is ``F.linear`` cost
+no packing, and between calls (while the trainer trains) no copy takes memory; the time spent packing is counted
+(``pack_seconds``). Only plain ``nn.Linear`` modules with
 whole (unsharded) float32 weights on CPU whose
 ``forward`` nobody replaced (accelerate's hooks, PEFT's wrappers keep theirs; a LoRA layer's base ``nn.Linear``
 takes part) are candidates, and only where oneDNN is built in: elsewhere (a GPU, ZeRO-3, FSDP) every forward
-computes as the model does. The packed copies double those weights' memory.
+computes as the model does. During a generation call the packed copies double those weights' memory.
 """
 
 from __future__ import annotations
@@ -71,12 +73,14 @@ class LinearKernels:
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.pack_seconds = 0.0
 
-    def refresh(self) -> None:
-        """Pack every weight as it is now."""
-        start = time.perf_counter()
-        for module in self.modules:
-            self.packed[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 3)
-        self.pack_seconds += time.perf_counter() - start
+    def _packed(self, module: nn.Linear) -> torch.Tensor:
+        """The module's weight packed as it is in this generation call (packed at its first use in the call)."""
+        packed = self.packed.get(module)
+        if packed is None:
+            start = time.perf_counter()
+            packed = self.packed[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 3)
+            self.pack_seconds += time.perf_counter() - start
+        return packed
 
     def _forward(self, index: int, module: nn.Linear):
         weight, bias = module.weight, module.bias
@@ -87,11 +91,12 @@ class LinearKernels:
             key = (index, self.bucket)
             packed = self.choice.get(key)
             if packed is not None:
-                return packed_linear(x, self.packed[module], bias) if packed else F.linear(x, weight, bias)
+                return packed_linear(x, self._packed(module), bias) if packed else F.linear(x, weight, bias)
             times = self.trials.setdefault(key, ([], []))
-            packed = len(times[1]) < len(times[0])  # alternate, F.linear first
+            packed = self._packed(module) if len(times[1]) < len(times[0]) else None  # alternate, F.linear first
             start = time.perf_counter()
-            out = packed_linear(x, self.packed[module], bias) if packed else F.linear(x, weight, bias)
+            out = F.linear(x, weight, bias) if packed is None else packed_linear(x, packed, bias)
+            packed = packed is not None
             times[packed].append(time.perf_counter() - start)
             if len(times[1]) >= TRIALS:
                 self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
@@ -102,17 +107,18 @@ class LinearKernels:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Inside, the eligible layers compute with the kernel chosen for the rows of the ``forward(rows)`` block they
-        run in (``F.linear`` outside one). Packs the weights first."""
+        run in (``F.linear`` outside one); the packed copies made inside are dropped on leaving."""
         if not self.modules:
             yield
             return
-        self.refresh()
+        self.packed.clear()
         for index, module in enumerate(self.modules):
             module.forward = self._forward(index, module)
         try:
             yield
         finally:
             self.bucket = None
+            self.packed.clear()
             for module in self.modules:
                 module.__dict__.pop("forward", None)
 

@@ -4,7 +4,10 @@ For SmolLM2-135M-Instruct after a 200-token prefix: the time to read every weigh
 decoding step), and the forward over k = 1, 2, 3, 5, 9, 17 query tokens at 1 and 8 rows, split into the decoder
 layers, the verification ``lm_head`` and the rest (embedding, final norm, mask and cache work), each with the
 model's own kernels (``F.linear``) and with every linear layer through oneDNN-packed weights (``engine.kernels``);
-medians of ``--repeats``, the kernels alternated. Writes JSON and a PNG (ms against k, the limit drawn across).
+beside each forward, its linear layers alone (every weight of the model in turn, from memory, at the forward's
+query rows) and the compute floor (its multiply-adds at the rate a large GEMM reaches on these threads): a forward
+costs at least the larger of the read and the compute floor. Medians of ``--repeats``, the kernels alternated.
+Writes JSON and a PNG (ms against k, the two floors drawn).
 
   python scripts/step_limit.py --threads 1 2 --out benchmarks/step_limit_smollm2.json
 """
@@ -37,6 +40,37 @@ def read_weights_ms(model, repeats: int) -> float:
             w.sum()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def gemm_gflops(repeats: int) -> float:
+    """Multiply-add rate (GFLOP/s) of a large float32 GEMM on the current threads: the compute ceiling."""
+    a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * 512 * 1024 * 1024 / statistics.median(times) / 1e9
+
+
+def linears_ms(model, kernels: LinearKernels, rows: int, repeats: int) -> dict:
+    """Every linear layer of the model once, in model order, on ``rows`` query rows: F.linear against packed."""
+    from torch.nn import functional as F
+
+    from specroll_trl.engine.kernels import packed_linear
+
+    layers = [(m.weight.detach(), torch.randn(rows, m.in_features)) for m in kernels.modules]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 3) for w, _ in layers]
+    runs = {"f_linear": lambda: [F.linear(x, w) for w, x in layers],
+            "packed": lambda: [packed_linear(x, p, None) for (_, x), p in zip(layers, packed)]}
+    times = {kind: [] for kind in runs}
+    for _ in range(repeats + 1):
+        for kind, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[kind].append(time.perf_counter() - start)
+    return {kind: 1e3 * statistics.median(t[1:]) for kind, t in times.items()}
 
 
 class Split:
@@ -77,10 +111,12 @@ def forward_ms(model, split: Split, kernels: LinearKernels, rows: int, k: int, r
                     end = time.perf_counter()
                 m = split.marks
                 runs[packed].append((end - start, m["layers_out"] - m["layers_in"], m["head_out"] - m["head_in"]))
+    linears = linears_ms(model, kernels, rows * k, repeats)
     for packed, times in runs.items():
         total, layers, head = (1e3 * statistics.median(t[i] for t in times[1:]) for i in range(3))
-        result["packed" if packed else "f_linear"] = {"total_ms": total, "decoder_layers_ms": layers,
-                                                      "lm_head_ms": head, "rest_ms": total - layers - head}
+        kind = "packed" if packed else "f_linear"
+        result[kind] = {"total_ms": total, "decoder_layers_ms": layers, "lm_head_ms": head,
+                        "rest_ms": total - layers - head, "linears_alone_ms": linears[kind]}
     return result
 
 
@@ -101,6 +137,9 @@ def plot(report: dict, path: Path) -> None:
             ax.plot(ks, [c[kernel]["lm_head_ms"] for c in mine], style, alpha=0.4, label=f"lm_head, {kernel}")
         limit = report["read_weights_ms"][str(threads)]
         ax.axhline(limit, color="k", ls="--", label="read every weight once")
+        ax.plot(ks, [c["compute_floor_ms"] for c in mine], "k:", label="multiply-adds at large-GEMM rate")
+        ax.plot(ks, [c["packed"]["linears_alone_ms"] for c in mine], "^-", alpha=0.6,
+                label="linears alone, packed")
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_title(f"{rows} row(s), {threads} thread(s)")
@@ -120,22 +159,27 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = load_policy("smollm2-135m", progress=False)
     split, kernels = Split(model), LinearKernels(model)
-    report = {"model": "smollm2-135m", "prefix": PREFIX, "read_weights_ms": {}, "cells": [],
+    params = sum(m.weight.numel() for m in kernels.modules)  # multiply-adds per query row (the linears')
+    report = {"model": "smollm2-135m", "prefix": PREFIX, "read_weights_ms": {}, "gemm_gflops": {}, "cells": [],
               "weights_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6}
     for threads in args.threads:
         torch.set_num_threads(threads)
         report["read_weights_ms"][str(threads)] = read_weights_ms(model, 3 * args.repeats)
+        report["gemm_gflops"][str(threads)] = gflops = gemm_gflops(3 * args.repeats)
         print(f"{threads} thread(s): reading {report['weights_mb']:.0f} MB of weights takes "
-              f"{report['read_weights_ms'][str(threads)]:.1f} ms", flush=True)
+              f"{report['read_weights_ms'][str(threads)]:.1f} ms; a large GEMM runs at {gflops:.0f} GFLOP/s",
+              flush=True)
         for rows in args.rows:
             for k in QUERY_TOKENS:
-                cell = {"threads": threads, "rows": rows, "k": k,
+                cell = {"threads": threads, "rows": rows, "k": k, "compute_floor_ms": 2e-6 * params * rows * k / gflops,
                         **forward_ms(model, split, kernels, rows, k, args.repeats)}
                 report["cells"].append(cell)
                 parts = [f"{kind} {c['total_ms']:6.1f} ms (layers {c['decoder_layers_ms']:5.1f}, lm_head "
-                         f"{c['lm_head_ms']:5.1f}, rest {c['rest_ms']:4.1f})"
+                         f"{c['lm_head_ms']:5.1f}, rest {c['rest_ms']:4.1f}; linears alone "
+                         f"{c['linears_alone_ms']:5.1f})"
                          for kind, c in (("F.linear", cell["f_linear"]), ("packed", cell["packed"]))]
-                print(f"  rows {rows} k {k:2d}: " + " | ".join(parts), flush=True)
+                floor = f"compute floor {cell['compute_floor_ms']:5.1f} ms"
+                print(f"  rows {rows} k {k:2d}: {floor} | " + " | ".join(parts), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

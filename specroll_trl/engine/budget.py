@@ -46,22 +46,35 @@ class AcceptanceByWidth:
         prior_accept: before any tree was seen, the acceptance of the ``j``-th best node is
             ``prior_accept ** log2(j + 1)``.
         forget: weight kept by older measurements at each new one.
+        per_width: one ratio per width (top-k trees, priced by the heads' own probabilities), or one for all widths
+            (drawn trees, priced by the acceptance measured by depth and rank: already calibrated per depth, so a
+            ratio per width only adds the noise of the few steps each width gets; with it, one step with nothing
+            accepted priced a width and its neighbours at nothing, and at one row, two threads, the budget stopped
+            drafting: 1.03x of ``generate`` where 2-4 nodes every step ran at 1.20-1.40x).
     """
 
-    def __init__(self, max_nodes: int, prior_accept: float = 0.6, forget: float = 0.97):
-        self.max_nodes, self.forget = max_nodes, forget
+    def __init__(self, max_nodes: int, prior_accept: float = 0.6, forget: float = 0.97, per_width: bool = True):
+        self.max_nodes, self.forget, self.per_width = max_nodes, forget, per_width
         nodes = torch.arange(1, max_nodes + 1, dtype=torch.float64)
         self.gain = torch.cat([torch.zeros(1, dtype=torch.float64), prior_accept ** torch.log2(nodes + 1)]).cumsum(0)
         self.width_accept = torch.zeros(3, max_nodes + 1, dtype=torch.float64)  # weight, realised, predicted
 
-    def accepted(self) -> torch.Tensor:
+    def accepted(self, prior_steps: float = 0.0) -> torch.Tensor:
+        """Per width, the trees' estimate times the realised / predicted ratio measured at that width (or the nearest
+        width measured; over every width when not ``per_width``), shrunk towards 1 by ``prior_steps`` steps' worth of
+        belief in the trees."""
         weight, realised, predicted = self.width_accept
         seen = (weight > 0).nonzero().squeeze(1)
         if not len(seen):
             return self.gain
-        nodes = torch.arange(self.max_nodes + 1)
-        nearest = seen[(nodes[:, None] - seen[None]).abs().argmin(1)]
-        return self.gain * realised[nearest] / predicted[nearest].clamp(min=1e-9)
+        if self.per_width:
+            nodes = torch.arange(self.max_nodes + 1)
+            nearest = seen[(nodes[:, None] - seen[None]).abs().argmin(1)]
+            realised, predicted = realised[nearest], predicted[nearest]
+        else:
+            realised, predicted = realised.sum(), predicted.sum()
+        prior = prior_steps * self.gain
+        return self.gain * (realised + prior) / (predicted + prior).clamp(min=1e-9)
 
     def observe(self, num_nodes: int, accepted: float, path_scores: torch.Tensor) -> None:
         k = min(self.max_nodes, path_scores.shape[-1])
@@ -90,7 +103,10 @@ class NodeBudget:
         self.max_nodes, self.rules, self.forget, self.explore = max_nodes, tuple(rules), forget, explore
         self.rng = random.Random(seed)
         self.prior_accept = prior_accept
-        self.by_rule = {rule: AcceptanceByWidth(max_nodes, prior_accept, forget) for rule in self.rules}
+        self.by_rule = {rule: self._acceptance(rule) for rule in self.rules}
+
+    def _acceptance(self, rule: str) -> AcceptanceByWidth:
+        return AcceptanceByWidth(self.max_nodes, self.prior_accept, self.forget, per_width=rule != "drawn")
 
     def plan(self, active_rows: int) -> tuple[str, int]:
         """``(rule, nodes per row)`` for the next step."""
@@ -100,18 +116,20 @@ class NodeBudget:
         """Draft nodes per row for the next step (its rule: ``plan``)."""
         return self.plan(active_rows)[1]
 
-    def accepted(self, rule: str | None = None) -> torch.Tensor:
-        """Expected accepted draft nodes per row for ``N = 0..N_max`` under ``rule`` (default: the first)."""
-        return self.by_rule[rule or self.rules[0]].accepted()
+    def accepted(self, rule: str | None = None, prior_steps: float = 0.0) -> torch.Tensor:
+        """Expected accepted draft nodes per row for ``N = 0..N_max`` under ``rule`` (default: the first); with
+        ``prior_steps``, an optimistic estimate (``AcceptanceByWidth.accepted``)."""
+        return self.by_rule[rule or self.rules[0]].accepted(prior_steps)
 
-    def observe(self, active_rows: int, num_nodes: int, seconds: float, accepted: float,
+    def observe(self, active_rows: int, num_nodes: int, seconds: float | None, accepted: float,
                 path_scores: torch.Tensor | None, rule: str | None = None) -> None:
-        """One step: its nodes per row, wall seconds, mean accepted draft nodes per row, (when it drafted) the
-        ``[B, P]`` log-scores of every candidate path (what the tree was chosen from) and its rule."""
+        """One step: its nodes per row, wall seconds (``None``: not a typical step's, not timed), mean accepted
+        draft nodes per row, (when it drafted) the ``[B, P]`` log-scores of every candidate path (what the tree was
+        chosen from) and its rule."""
         if path_scores is not None and num_nodes:
             rule = rule or self.rules[0]
             if rule not in self.by_rule:  # a rule the engine had to use (greedy decoding matches top-k candidates)
-                self.by_rule[rule] = AcceptanceByWidth(self.max_nodes, self.prior_accept, self.forget)
+                self.by_rule[rule] = self._acceptance(rule)
             self.by_rule[rule].observe(num_nodes, accepted, path_scores)
 
     @property
@@ -152,16 +170,21 @@ class OnlineBudget(NodeBudget):
         explore: probability of trying a neighbouring width (or the other rule at the best width) instead of the best
             choice when the two are predicted as fast; one predicted at ``r`` times the best's rate is tried ``r ** 4``
             as often (on 2 CPU cores a drafted node costs 2x a plain step at 32-64 rows: tried as often as a near
-            tie, it cost ~2% of speed).
+            tie, it cost ~2% of speed). ``r`` is optimistic: the other choice's acceptance shrunk towards the trees'
+            own estimate by ``optimism`` steps (else one unlucky step, a width tried once with nothing accepted,
+            priced it and its neighbours at nothing and they were never tried again: at one row, two threads, the
+            budget stopped drafting, 1.03x of ``generate`` where 2-4 nodes every step ran at 1.20-1.40x).
         trust: measurements of one width needed before its own mean counts as much as the models' prediction.
+        optimism: steps' worth of belief in the trees' own acceptance estimate when deciding what to explore.
         seed: seeds the exploration draws (a generator of its own: the sampling stream is untouched).
     """
 
     def __init__(self, max_nodes: int, rules: tuple[str, ...] = ("top-k",), prior_capacity: int = 64,
                  prior_draft_cost: float = 0.1, prior_accept: float = 0.6, forget: float = 0.97, explore: float = 0.1,
-                 trust: float = 2.0, seed: int = 0):
+                 trust: float = 2.0, optimism: float = 0.5, seed: int = 0):
         super().__init__(max_nodes, rules, prior_accept, forget, explore, seed)
         self.prior_capacity, self.prior_draft_cost, self.trust = prior_capacity, prior_draft_cost, trust
+        self.optimism = optimism
         self.fits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (X^T W X, X^T W t)
         self.width_seconds: dict[int, torch.Tensor] = {}  # bucket -> [2, N_max + 1]: (weight, weighted seconds)
 
@@ -175,7 +198,10 @@ class OnlineBudget(NodeBudget):
     def cost(self, active_rows: int) -> torch.Tensor:
         """Predicted step seconds (relative, when nothing was measured yet) for ``N = 0..N_max``: each width's own
         mean step time where it was measured, shrunk towards the linear fit of all widths (which alone covers the
-        widths not measured yet)."""
+        widths not measured yet), or towards the line between the measured widths on either side where that is
+        cheaper (a fit to a plain step and wide trees only puts every narrow width near the wide ones' cost, and a
+        width predicted too dear is never tried, so never corrected: at one row, two threads, 145 ms predicted for
+        one node against 93 measured)."""
         nodes = torch.arange(self.max_nodes + 1, dtype=torch.float64)
         bucket = self._bucket(active_rows)
         fit = self.fits.get(bucket)
@@ -187,6 +213,14 @@ class OnlineBudget(NodeBudget):
         ridge = 1e-2 * torch.eye(3, dtype=torch.float64)
         model = (self._features(nodes) @ torch.linalg.solve(gram + ridge, moment + ridge @ (prior * scale)))
         weight, seconds = self.width_seconds[bucket]
+        seen = (weight > 0).nonzero().squeeze(1)
+        if len(seen) > 1:
+            means = seconds[seen] / weight[seen]
+            right = torch.searchsorted(seen, nodes.long()).clamp(1, len(seen) - 1)
+            x0, x1, y0, y1 = seen[right - 1], seen[right], means[right - 1], means[right]
+            between = y0 + (y1 - y0) * (nodes - x0) / (x1 - x0)
+            inside = (nodes >= seen[0]) & (nodes <= seen[-1])
+            model = torch.where(inside, torch.minimum(model, between), model)
         return ((seconds + self.trust * model.clamp(min=1e-9)) / (weight + self.trust)).clamp(min=1e-9)
 
     def plan(self, active_rows: int) -> tuple[str, int]:
@@ -203,11 +237,15 @@ class OnlineBudget(NodeBudget):
             others = [(rule, 0), (rule, max(0, best // 2)), (rule, min(self.max_nodes, max(1, 2 * best)))]
             others += [(r, max(1, best)) for r in range(len(self.rules)) if r != rule]
             other = self.rng.choice(others)
-            if self.rng.random() < float(rate[other] / rate[rule, best]) ** 4:
+            hope = (1.0 + self.accepted(self.rules[other[0]], self.optimism)[other[1]]) / cost[other[1]]
+            if self.rng.random() < float(hope / rate[rule, best]) ** 4:
                 rule, best = other
         return self.rules[rule], best
 
     def observe(self, active_rows, num_nodes, seconds, accepted, path_scores, rule=None):
+        super().observe(active_rows, num_nodes, seconds, accepted, path_scores, rule)
+        if seconds is None:
+            return
         bucket = self._bucket(active_rows)
         x = self._features(torch.tensor(float(num_nodes), dtype=torch.float64))
         gram, moment = self.fits.get(bucket, (torch.zeros(3, 3, dtype=torch.float64),
@@ -217,7 +255,6 @@ class OnlineBudget(NodeBudget):
         width *= self.forget
         width[:, num_nodes] += torch.tensor([1.0, seconds], dtype=torch.float64)
         self.width_seconds[bucket] = width
-        super().observe(active_rows, num_nodes, seconds, accepted, path_scores, rule)
 
     def state(self) -> dict:
         """What the budget currently believes (for logging and tests)."""

@@ -410,12 +410,12 @@ class SpeculativeGenerator:
                                                   state.projection, sampling_temperature(gen)))
             synced = should_sync(self.model, self.config.synced_gpus)
             while self._has_work(state, synced, stats):
-                step_start = time.perf_counter()
+                step_start, trials = time.perf_counter(), self.kernels.trial_calls
                 draft = self._draft(state, hooks, stats)
                 verdict = self._verify(state, draft.tree, draft.drawn is not None)
                 step, host = self._commit(state, draft, verdict, stats)
                 hooks.call("feedback", step)
-                self._observe_budget(draft, step, host, step_start)
+                self._observe_budget(draft, step, host, None if self.kernels.trial_calls != trials else step_start)
                 self._retire(state, step, verdict, host)
         stats.pack_seconds = self.kernels.pack_seconds - pack_seconds
         return self._finish(state, hooks, stats, start)
@@ -619,16 +619,18 @@ class SpeculativeGenerator:
             stats.expected_accepted += float(expected.sum())
             stats.accepted += int(num_acc.sum())
 
-    def _observe_budget(self, draft: Draft, step: StepFeedback, host: StepRead, start: float) -> None:
-        """Report the step to the node budget: its width, wall time and acceptance."""
-        if step.count.is_cuda:
+    def _observe_budget(self, draft: Draft, step: StepFeedback, host: StepRead, start: float | None) -> None:
+        """Report the step to the node budget: its width, wall time and acceptance (no time where ``start`` is
+        ``None``: a step whose forward measured the linear kernels, up to twice as slow as the kernels then chosen,
+        would be the only sample of its width for a while and keep the budget from drafting it)."""
+        if start is not None and step.count.is_cuda:
             torch.cuda.synchronize()
         accepted = host.accepted / step.count.numel()
         scores = draft.tree.path_scores
         if draft.drawn is not None:  # every width's tree is a prefix of the widest one's
             scores = self.acceptance.shape(self.config.max_nodes, scores.device).log_reach[None, 1:]
-        self.budget.observe(step.count.numel(), draft.num_nodes, time.perf_counter() - start, accepted, scores,
-                            draft.rule)
+        seconds = None if start is None else time.perf_counter() - start
+        self.budget.observe(step.count.numel(), draft.num_nodes, seconds, accepted, scores, draft.rule)
 
     def _retire(self, state: DecodeState, step: StepFeedback, verdict: Verification, host: StepRead) -> None:
         """Advance every row to its next root (and the hidden state that produced it); drop finished rows."""

@@ -72,6 +72,7 @@ class LinearKernels:
         self.choice: dict[tuple[int, int], bool] = {}  # (layer, bucket) -> packed wins
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.pack_seconds = 0.0
+        self.trial_calls = 0  # calls that ran as a measurement (a forward containing one is not a typical one)
 
     def _packed(self, module: nn.Linear) -> torch.Tensor:
         """The module's weight packed as it is in this generation call (packed at its first use in the call)."""
@@ -98,6 +99,7 @@ class LinearKernels:
             out = F.linear(x, weight, bias) if packed is None else packed_linear(x, packed, bias)
             packed = packed is not None
             times[packed].append(time.perf_counter() - start)
+            self.trial_calls += 1
             if len(times[1]) >= TRIALS:
                 self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
             return out

@@ -173,3 +173,30 @@ def test_engine_without_packing_leaves_the_model_alone():
                                   capacity=8, pack_linears=False)
     engine.generate(torch.tensor([[3, 4, 5]]))
     assert engine.kernels.modules == [] and engine.kernels.packed == {}
+
+
+def test_the_budget_does_not_time_steps_that_pack_or_measure_kernels():
+    """Such a step costs up to twice a typical one: taken as what its width costs, it kept the budget from drafting
+    that width again."""
+    model = make_model(vocab=40, seed=5)
+    heads = noisy_heads(model, std=0.3, kind="path")
+    gc = GenerationConfig(do_sample=True, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    engine = SpeculativeGenerator(model, heads, gc, max_nodes=4, capacity=64)
+    kernels, timed = engine.kernels, []
+    observe = engine.budget.observe
+    setup = []
+
+    def spy(rows, nodes, seconds, *args):
+        timed.append(seconds is not None)
+        setup.append(kernels.setup_calls)
+        return observe(rows, nodes, seconds, *args)
+
+    engine.budget.observe = spy
+    ids, mask = left_padded([[5, 6, 7], [3, 4]])
+    engine.generate(ids, mask)
+    changed = [True] + [a != b for a, b in zip(setup, setup[1:])]  # the first step measures the kernels
+    assert timed == [not c for c in changed] and not all(timed) and any(timed)
+    timed.clear(), setup.clear()
+    choose(kernels, True)
+    engine.generate(ids, mask)  # choices made: only the first step packs the weights again
+    assert not timed[0] and all(timed[1:])

@@ -410,12 +410,13 @@ class SpeculativeGenerator:
                                                   state.projection, sampling_temperature(gen)))
             synced = should_sync(self.model, self.config.synced_gpus)
             while self._has_work(state, synced, stats):
-                step_start, trials = time.perf_counter(), self.kernels.trial_calls
+                step_start, setup_calls = time.perf_counter(), self.kernels.setup_calls
                 draft = self._draft(state, hooks, stats)
                 verdict = self._verify(state, draft.tree, draft.drawn is not None)
                 step, host = self._commit(state, draft, verdict, stats)
                 hooks.call("feedback", step)
-                self._observe_budget(draft, step, host, None if self.kernels.trial_calls != trials else step_start)
+                timed = self.kernels.setup_calls == setup_calls  # no packing nor kernel measurement in this step
+                self._observe_budget(draft, step, host, step_start if timed else None)
                 self._retire(state, step, verdict, host)
         stats.pack_seconds = self.kernels.pack_seconds - pack_seconds
         return self._finish(state, hooks, stats, start)
@@ -621,8 +622,8 @@ class SpeculativeGenerator:
 
     def _observe_budget(self, draft: Draft, step: StepFeedback, host: StepRead, start: float | None) -> None:
         """Report the step to the node budget: its width, wall time and acceptance (no time where ``start`` is
-        ``None``: a step whose forward measured the linear kernels, up to twice as slow as the kernels then chosen,
-        would be the only sample of its width for a while and keep the budget from drafting it)."""
+        ``None``: a step whose forward packed weights or measured the linear kernels, up to twice as slow as a
+        typical one, would be the only sample of its width for a while and keep the budget from drafting it)."""
         if start is not None and step.count.is_cuda:
             torch.cuda.synchronize()
         accepted = host.accepted / step.count.numel()

@@ -15,10 +15,9 @@ A layer's weight is packed at its first packed call of a generation call and the
 ends, so generation always reads the parameters the trainer updated (a weight's version counter is no witness:
 trainers update parameters through ``.data``, which does not move it), layers whose choice is ``F.linear`` cost
 no packing, and between calls (while the trainer trains) no copy takes memory; the time spent packing is counted
-(``pack_seconds``). Only plain ``nn.Linear`` modules with
-whole (unsharded) float32 weights on CPU whose
-``forward`` nobody replaced (accelerate's hooks, PEFT's wrappers keep theirs; a LoRA layer's base ``nn.Linear``
-takes part) are candidates, and only where oneDNN is built in: elsewhere (a GPU, ZeRO-3, FSDP) every forward
+(``pack_seconds``). Only plain ``nn.Linear`` modules with whole (unsharded) float32 weights on CPU whose ``forward``
+nobody replaced (accelerate's hooks, PEFT's wrappers keep theirs; a LoRA layer's base ``nn.Linear`` takes part) are
+candidates, and only where oneDNN is built in: elsewhere (a GPU, ZeRO-3, FSDP) every forward
 computes as the model does. During a generation call the packed copies double those weights' memory.
 """
 
@@ -72,7 +71,7 @@ class LinearKernels:
         self.choice: dict[tuple[int, int], bool] = {}  # (layer, bucket) -> packed wins
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.pack_seconds = 0.0
-        self.trial_calls = 0  # calls that ran as a measurement (a forward containing one is not a typical one)
+        self.setup_calls = 0  # calls that packed a weight or measured the kernels: a forward with one is not typical
 
     def _packed(self, module: nn.Linear) -> torch.Tensor:
         """The module's weight packed as it is in this generation call (packed at its first use in the call)."""
@@ -81,6 +80,7 @@ class LinearKernels:
             start = time.perf_counter()
             packed = self.packed[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 3)
             self.pack_seconds += time.perf_counter() - start
+            self.setup_calls += 1
         return packed
 
     def _forward(self, index: int, module: nn.Linear):
@@ -94,12 +94,11 @@ class LinearKernels:
             if packed is not None:
                 return packed_linear(x, self._packed(module), bias) if packed else F.linear(x, weight, bias)
             times = self.trials.setdefault(key, ([], []))
-            packed = self._packed(module) if len(times[1]) < len(times[0]) else None  # alternate, F.linear first
+            packed_weight = self._packed(module) if len(times[1]) < len(times[0]) else None  # F.linear first
             start = time.perf_counter()
-            out = F.linear(x, weight, bias) if packed is None else packed_linear(x, packed, bias)
-            packed = packed is not None
-            times[packed].append(time.perf_counter() - start)
-            self.trial_calls += 1
+            out = F.linear(x, weight, bias) if packed_weight is None else packed_linear(x, packed_weight, bias)
+            times[packed_weight is not None].append(time.perf_counter() - start)
+            self.setup_calls += 1
             if len(times[1]) >= TRIALS:
                 self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
             return out

@@ -99,8 +99,10 @@ def test_deepspeed_zero3_without_gather_keeps_ranks_in_lockstep(nano, tmp_path, 
                                  script_opts=["--no-ds3-gather"])
     check_trained(records)
     check_lockstep(records)
-    # the ranks' rollouts took different numbers of forwards (rank 1 drafts nothing), so the finished rank kept stepping
-    assert sum(c["sync_forwards"] for r in records for c in r["calls"]) > 0
+    # where the ranks' rollouts took different numbers of forwards, the rank done first kept stepping (whether they
+    # differ is up to the run: the FSDP2 test below makes them differ by construction)
+    for c0, c1 in zip(records[0]["calls"], records[1]["calls"]):
+        assert c0["sync_forwards"] + c1["sync_forwards"] == abs(c0["forwards"] - c1["forwards"])
 
 
 @pytest.mark.slow

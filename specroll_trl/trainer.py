@@ -112,8 +112,8 @@ class SpecGRPOConfig(GRPOConfig):
             On a model the engine cannot run (e.g. FlashAttention-2 only), log and use `generate`.
         spec_pack_linears (`bool`, *optional*, defaults to `True`):
             On CPU, compute the policy's float32 linear layers from weights packed once for oneDNN wherever the
-            engine's own forwards measure that faster (per bucket of query rows). The packed copies double those
-            weights' memory and are rebuilt at every generation call (logged as `spec/pack_seconds`).
+            engine's own forwards measure that faster (per bucket of query rows). A layer is packed at its first
+            packed call of each generation call (logged as `spec/pack_seconds`) and the copy dropped at its end.
 
     > Adaptation
 

@@ -78,8 +78,9 @@ class SpeculativeConfig:
             ``expected_accepted`` next to the realised ``accepted``): a bias detector for the verifier.
         pack_linears: compute the model's linear layers (float32, on CPU) with weights packed once for oneDNN where
             that measures faster than ``F.linear`` for the layer's shape and row count (``engine.kernels``): a
-            forward over a few query tokens then reads each weight once. The packed copies double those weights'
-            memory and are rebuilt at every call. ``False``: every layer as the model computes it.
+            forward over a few query tokens then reads each weight once. A layer is packed at its first packed
+            call of each ``generate`` call and the copy dropped at its end. ``False``: every layer as the model
+            computes it.
     """
 
     candidates: str = "auto"

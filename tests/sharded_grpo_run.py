@@ -42,6 +42,7 @@ def main():
         out = generate(self, input_ids, attention_mask)
         calls.append({"rows": int(input_ids.shape[0]), "forwards": out.stats["forwards"],
                       "sync_forwards": out.stats.get("sync_forwards", 0),
+                      "drafted": sum(out.stats.get("nodes_per_row", [])) > 0,
                       "lengths": [len(c) for c in out.completion_ids]})
         return out
 
@@ -51,7 +52,10 @@ def main():
         output_dir=args.output_dir, max_steps=args.max_steps, num_generations=4, per_device_train_batch_size=4,
         max_completion_length=24, learning_rate=1e-4, logging_steps=1, report_to="none", bf16=False,
         save_strategy="no", seed=0, disable_tqdm=True, spec_heads_path=str(zoo.heads_dir("nano")),
-        spec_capacity=256, ds3_gather_for_generation=not args.no_ds3_gather,
+        # rank 1 drafts nothing (a capacity below its rows): the ranks' rollouts take different numbers of forwards,
+        # and only rank 0 drafts, so neither the rank done first nor drafting may issue a collective of its own
+        spec_capacity=256 if int(os.environ.get("RANK", "0")) == 0 else 4,
+        ds3_gather_for_generation=not args.no_ds3_gather,
         # without a GPU accelerate finds no backend for DeepSpeed and would run each rank as a world of one
         ddp_backend=None if torch.cuda.is_available() else "gloo",
     )

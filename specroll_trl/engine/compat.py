@@ -3,6 +3,9 @@ ranks that must step in lockstep when parameters are sharded."""
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
+
 import torch
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
@@ -48,3 +51,44 @@ def any_rank_active(local_active: bool, device) -> bool:
     flag = torch.tensor([1.0 if local_active else 0.0], device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item() > 0)
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds ``param`` partitioned (each rank an empty local tensor, the shape in
+    ``ds_shape``)."""
+    return hasattr(param, "ds_shape") and param.numel() == 0
+
+
+def local_copies(*modules: torch.nn.Module | None) -> list[torch.nn.Module | None]:
+    """``modules`` as drafting reads them: a module whose own weights DeepSpeed ZeRO-3 holds partitioned is replaced
+    by a frozen copy holding them whole (gathered once, here); any other module is returned as it is.
+
+    Calling a partitioned module gathers its weights inside the call, a collective every rank must join: with the
+    heads reading ``lm_head`` (and path heads the input embedding) through such calls, a rank that drafts in a step
+    where another does not (its own budget, or no rows left) would wait forever. With the copies, drafting is
+    local and the ranks meet only in the target's forwards. A collective itself: every rank calls it at the same
+    point of ``generate``. Costs one copy of those weights for the call (shared between tied modules)."""
+    partitioned = {id(p): p for m in modules if m is not None for p in m.parameters(recurse=False)
+                   if is_partitioned(p)}
+    if not partitioned:
+        return list(modules)
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(partitioned.values()), modifier_rank=None):
+        whole = {key: torch.nn.Parameter(p.detach().clone(), requires_grad=False) for key, p in partitioned.items()}
+    return [_with_parameters(m, whole) if m is not None and any(id(p) in whole for p in m.parameters(recurse=False))
+            else m for m in modules]
+
+
+def _with_parameters(module: torch.nn.Module, whole: dict[int, torch.nn.Parameter]) -> torch.nn.Module:
+    """A shallow copy of ``module`` (its own class and ``forward``, buffers shared) with ``whole``'s parameters in
+    place of the partitioned ones and none of the hooks that would gather them."""
+    local = copy.copy(module)
+    local._parameters = {name: whole.get(id(p), p) for name, p in module._parameters.items()}
+    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
+                  "_backward_pre_hooks"):
+        if hasattr(local, hooks):
+            setattr(local, hooks, OrderedDict())
+    local.__dict__.pop("forward", None)  # an instance forward (a wrapper's) would call the original module
+    return local

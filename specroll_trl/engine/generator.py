@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from .budget import FixedBudget, NodeBudget, OnlineBudget
-from .compat import any_rank_active, check_model_supported, should_sync
+from .compat import any_rank_active, check_model_supported, local_copies, should_sync
 from .drawn import AcceptanceByRank, DrawnDraft, draw_tree, expected_accepted_drawn, rejection_walk
 from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import DraftSlots, GenerationContext, StepFeedback, StepHook
@@ -231,6 +231,8 @@ class DecodeState:
     kv: RaggedCache
     uniforms: torch.Tensor  # [B, max_new] one uniform per completion position: what samples that position
     projection: VocabProjection  # the heads' vocabulary projection for this call
+    lm_head: torch.nn.Module  # the target's lm_head as drafting reads it (``local_copies``)
+    embed: torch.nn.Module | None  # the input embedding path heads read (idem); None for independent heads
     steps: int = 0
 
 
@@ -404,12 +406,12 @@ class SpeculativeGenerator:
             return self._fallback(input_ids, attention_mask, gen, max_new, start, reason=str(err))
         stats = GenerationStats(capacity=self.config.capacity)
         pack_seconds = self.kernels.pack_seconds
+        synced = should_sync(self.model, self.config.synced_gpus)
         with self.kernels.active():
             state = self._prefill(input_ids, attention_mask, target, stats)
             hooks = TimedHooks(self.hooks, stats)
-            hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, self.lm_head,
+            hooks.call("start", GenerationContext(input_ids, attention_mask, self.heads.num_heads, state.lm_head,
                                                   state.projection, sampling_temperature(gen)))
-            synced = should_sync(self.model, self.config.synced_gpus)
             while self._has_work(state, synced, stats):
                 step_start, setup_calls = time.perf_counter(), self.kernels.setup_calls
                 draft = self._draft(state, hooks, stats)
@@ -447,12 +449,14 @@ class SpeculativeGenerator:
             logprobs = torch.zeros(completion.shape, dtype=torch.float32, device=device)
             logprobs[:, 0] = target.logprobs(logits).gather(1, root[:, None]).squeeze(1)
         kv = RaggedCache(cache, attention_mask.bool(), attention_mask.long().sum(1), self.config.compact_ratio)
+        lm_head, embed = local_copies(self.lm_head, self.embed)
         state = DecodeState(
             prompt_ids=input_ids, pad_len=pad_len, target=target, eos=eos, max_new=max_new, completion=completion,
             logprobs=logprobs, done_len=torch.ones(batch, dtype=torch.long, device=device),
             accepted_at_depth=torch.zeros(self.heads.num_heads, dtype=torch.long, device=device), rows=rows,
             root=root, hidden=final[-1][:, -1], kv=kv, uniforms=uniforms,
-            projection=self.heads.projection(self.lm_head, sampling_temperature(target.generation_config)))
+            projection=self.heads.projection(lm_head, sampling_temperature(target.generation_config)),
+            lm_head=lm_head, embed=embed)
         stats.forwards, stats.row_forwards, stats.tokens = 1, batch, batch
         self._keep(state, ~torch.isin(root, eos) & (state.done_len < max_new))
         return state
@@ -481,7 +485,7 @@ class SpeculativeGenerator:
             stats.drawn_row_steps += active
             return self._draw(state, hooks, num_nodes)
         if self.embed is not None:
-            grown = grow_tree(state.root, state.hidden, self._head_step(state, hooks), self.embed,
+            grown = grow_tree(state.root, state.hidden, self._head_step(state, hooks), state.embed,
                               self.heads.num_heads, self.config.topk_per_head, num_nodes)
             return Draft(grown.tree, num_nodes, grown=grown)
         z, head_logp = self._independent_proposals(state, hooks)
@@ -509,7 +513,7 @@ class SpeculativeGenerator:
                 z, logp, _ = step(depth, state.hidden[:, None].expand(-1, frontier.numel(), -1), path, path_tokens)
                 return z, logp
 
-            drawn = draw_tree(state.root, shape, propose, to_ids, vocab, fixed, self.embed, self.heads.num_heads)
+            drawn = draw_tree(state.root, shape, propose, to_ids, vocab, fixed, state.embed, self.heads.num_heads)
             return Draft(drawn.tree, shape.size - 1, grown=drawn.grown, drawn=drawn, rule="drawn")
         z, head_logp = self._independent_proposals(state, hooks)
 

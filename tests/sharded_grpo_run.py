@@ -12,8 +12,9 @@ import os
 import sys
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer
+from specroll_trl import SpecGRPOConfig, SpecGRPOTrainer, SpeculativeHeads
 from specroll_trl.engine import generator as engine
 from specroll_trl.experiments import zoo
 from specroll_trl.experiments.rewards import REWARD_FUNCS
@@ -25,7 +26,15 @@ def main():
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=2)
     parser.add_argument("--no-ds3-gather", action="store_true", help="GRPOConfig(ds3_gather_for_generation=False)")
+    parser.add_argument("--path-heads", action="store_true",
+                        help="untrained path-conditioned heads (they read the input embedding) instead of the zoo's")
     args = parser.parse_args()
+    heads_path = str(zoo.heads_dir("nano"))
+    if args.path_heads:  # every rank builds the same heads (fixed seed), each in its own folder
+        torch.manual_seed(0)
+        heads_path = f"{args.output_dir}/path_heads_rank{os.environ.get('RANK', '0')}"
+        policy = AutoModelForCausalLM.from_pretrained(str(zoo.policy_dir("nano")))
+        SpeculativeHeads.from_model(policy, num_heads=2, kind="path").save_pretrained(heads_path)
 
     sync_decisions: list[bool] = []
     decide = engine.should_sync
@@ -51,7 +60,7 @@ def main():
     config = SpecGRPOConfig(
         output_dir=args.output_dir, max_steps=args.max_steps, num_generations=4, per_device_train_batch_size=4,
         max_completion_length=24, learning_rate=1e-4, logging_steps=1, report_to="none", bf16=False,
-        save_strategy="no", seed=0, disable_tqdm=True, spec_heads_path=str(zoo.heads_dir("nano")),
+        save_strategy="no", seed=0, disable_tqdm=True, spec_heads_path=heads_path,
         # rank 1 drafts nothing (a capacity below its rows): the ranks' rollouts take different numbers of forwards,
         # and only rank 0 drafts, so neither the rank done first nor drafting may issue a collective of its own
         spec_capacity=256 if int(os.environ.get("RANK", "0")) == 0 else 4,

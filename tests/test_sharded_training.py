@@ -93,10 +93,12 @@ def test_deepspeed_zero2_two_processes(nano, tmp_path):
 
 @pytest.mark.slow
 @requires_deepspeed
-@pytest.mark.parametrize("zero3_init", ["false", "true"])
-def test_deepspeed_zero3_without_gather_keeps_ranks_in_lockstep(nano, tmp_path, zero3_init):
+@pytest.mark.parametrize(("zero3_init", "heads"), [("false", "independent"), ("true", "independent"),
+                                                   ("false", "path")])
+def test_deepspeed_zero3_without_gather_keeps_ranks_in_lockstep(nano, tmp_path, zero3_init, heads):
+    """Path heads also read the (partitioned) input embedding while drafting."""
     records = launch_sharded_run("deepspeed_zero3_cpu.yaml", tmp_path, launch_opts=["--zero3_init_flag", zero3_init],
-                                 script_opts=["--no-ds3-gather"])
+                                 script_opts=["--no-ds3-gather"] + (["--path-heads"] if heads == "path" else []))
     check_trained(records)
     check_lockstep(records)
     # rank 1 drafts nothing and rank 0 does: the rank done first kept stepping, by exactly the ranks' difference

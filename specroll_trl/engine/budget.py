@@ -53,7 +53,7 @@ class AcceptanceByWidth:
             ratios per width alone, one step with nothing accepted priced a width and its neighbours at nothing (at
             one row, two threads, the budget stopped drafting: 1.03x of ``generate`` where 2-4 nodes every step ran
             at 1.20-1.40x); with the pooled ratio alone, the reach overrated wide trees against narrow ones (one row,
-            T=0.7: 0.99 / 0.86 accepted at 5 / 6 nodes predicted, 0.80 / 0.85 realised; 0.68 at 2 predicted, 0.73
+            T=0.7: 0.99 / 1.04 accepted at 5 / 6 nodes predicted, 0.80 / 0.85 realised; 0.68 at 2 predicted, 0.73
             realised) and the budget drafted 5-6 nodes where 2 ran 10% faster.
         width_prior: see ``per_width``.
     """

@@ -31,6 +31,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from .compat import is_partitioned
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -282,7 +284,7 @@ class VocabProjection:
     def __init__(self, lm_head: nn.Module, draft_ids: torch.Tensor | None, scale: float = 1.0):
         self.lm_head, self.draft_ids, self.scale, self._inverse = lm_head, draft_ids, scale, None
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-        self.partitioned = weight.numel() == 0  # DeepSpeed ZeRO-3 without gathering: only the module call works
+        self.partitioned = is_partitioned(weight)  # ZeRO-3 without a gather (outside the engine: `local_copies`)
         if draft_ids is not None and not self.partitioned:
             weight, bias = weight.index_select(0, draft_ids), None if bias is None else bias.index_select(0, draft_ids)
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()

@@ -84,7 +84,7 @@ def main() -> None:
                             "coverage": coverage}}
     if args.old_heads:
         old = SpeculativeHeads.from_pretrained(args.old_heads)
-        results["old"] = {"variant": "old", **measure_heads(old, model, heldout, config.hit_ks)}
+        results["old"] = {"variant": "old", **measure_heads(old, model, heldout, config.hit_ks, config.temperature)}
     for variant in args.variants:
         folder = work / variant
         if (folder / REPORT_FILE).is_file():

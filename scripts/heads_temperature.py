@@ -174,7 +174,7 @@ def main() -> None:
     train["more"] = more
 
     def measure(heads) -> dict:
-        return {f"heldout_t{t}": measure_heads(heads, model, s, recipe.hit_ks)
+        return {f"heldout_t{t}": measure_heads(heads, model, s, recipe.hit_ks, t)
                 for t, s in ((T_HIGH, held_high), (T_LOW, held_low))}
 
     out = Path(args.out)

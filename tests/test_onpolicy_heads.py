@@ -246,3 +246,30 @@ def test_drawn_acceptance_metric_and_tv_loss_are_one_minus_total_variation():
         with_tv = head_fit_loss(heads, projection, records, None, 1.0, 1.0, tv_weight=2.0)
     torch.testing.assert_close(with_tv - plain, 2 * (tv * valid).sum(0) / valid.sum(0), atol=1e-4, rtol=0)
     assert 0 < float(tv.mean()) < 1
+
+
+def test_drawn_acceptance_is_measured_with_q_at_the_streams_temperature():
+    """At a temperature other than the heads' own, the engine drafts from their logits rescaled to it
+    (``logits * T_fit / T``), so ``measure_heads(..., temperature=T)`` measures ``1 - TV`` against that ``q``."""
+    from specroll_trl.adapt.distill import measure_heads
+
+    model = make_model(vocab=24, hidden=32, scale=3.0)
+    stream = build_stream(model, [([2], [3, 4, 5, 6, 7]), ([7, 8], [9, 10, 11, 12])], temperature=0.5, topk=24)
+    heads = SpeculativeHeads.from_model(model, num_heads=2)
+    heads.config.temperature = 1.0
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    records = stream.records(stream.anchor_ok.nonzero().squeeze(-1), 2)
+    with torch.no_grad():
+        logits = heads.logits(records.hidden, model.lm_head).float()
+        p = torch.zeros_like(logits).scatter_(-1, records.target_ids, records.target_probs.float())
+        valid = records.valid.float()
+        expected = {t: (((1 - 0.5 * (p - torch.softmax(logits * 1.0 / t, -1)).abs().sum(-1)) * valid).sum(0)
+                        / valid.sum(0)) for t in (0.5, 1.0)}
+    at_stream = measure_heads(heads, model, stream, ks=(1,), temperature=0.5)
+    as_fitted = measure_heads(heads, model, stream, ks=(1,))
+    torch.testing.assert_close(torch.tensor(at_stream["drawn_accept"]), expected[0.5], atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(as_fitted["drawn_accept"]), expected[1.0], atol=1e-4, rtol=0)
+    assert at_stream["hit_rates"] == as_fitted["hit_rates"]
+    assert abs(at_stream["drawn_accept"][0] - as_fitted["drawn_accept"][0]) > 1e-3

@@ -398,7 +398,7 @@ def distill_on_streams(model, train_stream: TokenStream, heldout_stream: TokenSt
     report.update(kind=heads.config.kind, train_tokens=int(train_stream.anchor_ok.sum()),
                   draft_vocab_size=heads.config.draft_vocab_size,
                   truncated=report["steps"] < config.steps and "best_step" not in report,
-                  **measure_heads(heads, model, heldout_stream, config.hit_ks))
+                  **measure_heads(heads, model, heldout_stream, config.hit_ks, config.temperature))
     return heads, report
 
 
@@ -412,12 +412,16 @@ def new_heads(model, stream: TokenStream, config: HeadDistillConfig) -> Speculat
                                        draft_ids=draft_ids, kind=config.kind).float()
 
 
-def measure_heads(heads: SpeculativeHeads, model, stream: TokenStream, ks=(1, 3, 5)) -> dict:
+def measure_heads(heads: SpeculativeHeads, model, stream: TokenStream, ks=(1, 3, 5),
+                  temperature: float | None = None) -> dict:
     """Held-out figures of ``heads`` on ``stream``: ``hit_rates``, their 95% ``hit_rate_ci`` (bootstrap over
     sequences), ``drawn_accept`` per head (mean ``1 - TV(p, q)``, what a child drawn from ``q`` is accepted at) with
     its ``drawn_accept_ci``, the target's own ``target_mass``, ``heldout_tokens`` and the draft vocabulary's coverage
-    of the stream's tokens."""
-    projection, embed = heads.projection(lm_head_of(model)), model.get_input_embeddings()
+    of the stream's tokens.
+
+    ``temperature``: the one ``stream``'s targets were taken at; ``q`` is then the heads' distribution rescaled to it,
+    as the engine drafts at that temperature (``None``: as fitted). Hit rates do not depend on it."""
+    projection, embed = heads.projection(lm_head_of(model), temperature), model.get_input_embeddings()
     per_sequence = sequence_hits(heads, projection, stream, ks, embed=embed)
     accept = per_sequence["accept"].sum(0) / per_sequence["counts"].sum(0).clamp(min=1)
     return {

@@ -155,7 +155,7 @@ def heldout_slice(heads, model, samples: dict, config: HeadDistillConfig) -> dic
     """Hit rates of ``heads`` on the first ``SLICE_SEQUENCES`` held-out sequences (a check that costs seconds)."""
     pairs = samples["heldout"][:SLICE_SEQUENCES]
     stream = build_stream(model, pairs, config.temperature, config.target_topk)
-    return {"sequences": len(pairs), **measure_heads(heads, model, stream, config.hit_ks)}
+    return {"sequences": len(pairs), **measure_heads(heads, model, stream, config.hit_ks, config.temperature)}
 
 
 def save_preset_heads(heads, report: dict, samples: dict, model, out: Path, key: str | None = None,

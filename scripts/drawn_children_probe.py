@@ -7,7 +7,7 @@ removed, as ``engine/drawn.py`` says). Both are lossless; they differ only in ho
 
 At every anchor of the held-out stream (48 GSM8K-test sequences of the policy's own samples) and for each head
 ``d`` reading the true path, ``q`` is the shipped path heads' distribution at the stream's temperature over their
-draft vocabulary and ``p`` the target's stored top-32 at that temperature (the rest of its mass in one bucket no
+draft vocabulary and ``p`` the target's stored top-16 at that temperature (the rest of its mass in one bucket no
 child can hit, so the figures are lower bounds by at most that mass). For ``m = 1..4`` children, ``--draws`` child
 lists are drawn per anchor under each rule, and each list's exact chance that some child is accepted (the
 rejection chain of ``engine.drawn.rank_acceptance``, or its with-replacement twin below) is averaged: the mean

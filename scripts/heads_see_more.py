@@ -2,8 +2,9 @@
 wider path-head MLP, or EAGLE-3's fused layers raise the path heads' held-out hit rates and drawn acceptance on
 SmolLM2-135M-Instruct at T=1.0?
 
-Every variant starts from fitted T=1.0 path heads (``--start``: the shipped set, ``s10-t10-kl-linear`` of
-``scripts/heads_temperature.py``, by default; the prefix variant was measured from ``s10-t10-kl``) and continues
+Every variant starts from fitted T=1.0 path heads (``--start``: the shipped set by default; the 2026-12-04
+runs in ``1 - TV`` terms started from ``s10-t10-kl-linear`` of ``scripts/heads_temperature.py``, the set shipped
+before the TV-fitted one, the fifth session's top-1 runs from ``s10-t10-kl``) and continues
 ``--steps`` Adam steps on the same batches of whole training sequences (8 per step, learning rate 3e-4) of the
 package's T=1.0 samples, T=1.0 targets, by the recipe's loss (KL + CE + ``--tv-weight`` TV; the fifth session's
 top-1 runs had no TV term):
@@ -21,8 +22,10 @@ top-1 runs had no TV term):
 
 Per head on the 48 held-out GSM8K-test sequences at T=1.0, every 100 steps: top-1 / top-3 hit of the realised token
 and the mean ``1 - TV(p, q)`` over the target's stored top-16 (what one child drawn from ``q`` is accepted at, as
-``measure_heads`` reports it), with 95% bootstrap intervals over sequences at the last evaluation. A variant that
-does not beat the control is not built into the library (``benchmarks/README.md`` keeps its numbers).
+``measure_heads`` reports it), with 95% bootstrap intervals over sequences at the last evaluation; against the
+control's last evaluation (when ``plain`` ran first, same steps), the paired difference with its interval (both
+variants' per-sequence figures resampled together). A variant that does not beat the control is not built into the
+library (``benchmarks/README.md`` keeps its numbers).
 
   for v in plain prefix wide fused; do python scripts/heads_see_more.py $v; done
 """
@@ -220,9 +223,12 @@ def main() -> None:
         rates = [[round(v, 1) for v in row] for row in (100 * hits.sum(0) / counts.sum(0)).tolist()]
         if not intervals:
             return rates
-        ci = [[[round(100 * v, 1) for v in pair] for pair in hit_rate_intervals({"hits": hits[:, m], "counts": counts})]
-              for m in range(3)]
-        return rates, ci
+        return rates, {"hits": hits, "counts": counts}
+
+    def percent_intervals(hits, counts):
+        """Per metric and head, the 95% bootstrap interval over sequences of ``hits / counts``, in percent."""
+        return [[[round(100 * v, 1) for v in pair]
+                 for pair in hit_rate_intervals({"hits": hits[:, m], "counts": counts})] for m in range(3)]
 
     groups = [{"params": heads.parameters(), "lr": 3e-4}]
     if prefix is not None:
@@ -247,7 +253,19 @@ def main() -> None:
         optimizer.step()
         if step % 100 == 0 or step == args.steps:
             if step == args.steps:
-                rates, log["intervals"] = hit_rates(intervals=True)
+                rates, per_sequence = hit_rates(intervals=True)
+                log["intervals"] = percent_intervals(per_sequence["hits"], per_sequence["counts"])
+                log["per_sequence"] = {k: v.tolist() for k, v in per_sequence.items()}
+                control = out.parent / "plain.json"
+                if args.variant != "plain" and control.is_file():  # paired: the same sequences, resampled together
+                    plain = json.loads(control.read_text())
+                    if plain["steps"] == args.steps and "per_sequence" in plain:
+                        log["minus_plain"] = [[round(a - b, 2) for a, b in zip(x, y)]
+                                              for x, y in zip(rates, plain["evals"][-1][1])]
+                        log["minus_plain_intervals"] = percent_intervals(
+                            per_sequence["hits"] - torch.tensor(plain["per_sequence"]["hits"]), per_sequence["counts"])
+                        print(f"{args.variant} - plain, top-1 / top-3 / 1-TV per head: {log['minus_plain']} "
+                              f"95% paired intervals {log['minus_plain_intervals']}", flush=True)
             else:
                 rates = hit_rates()
             log["evals"].append([step, rates])

@@ -5,9 +5,10 @@ Every variant is a path head set fitted by the recipe of ``onpolicy_heads.onpoli
 except what its name changes, and measured on the same held-out whole sequences (the plan's 48 GSM8K-test chat
 prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 targets):
 
-  shipped            the package's heads (measured, not refitted): since 2026-12-02 (fourth session) the
-                     s10-t10-kl-linear set; before, a set fitted to T=0.7 samples and targets with a constant
-                     learning rate (its numbers are in benchmarks/heads_temperature_smollm2.json)
+  shipped            the package's heads (measured, not refitted): since 2026-12-04 the s10-t10-kl-tv-linear set;
+                     from 2026-12-02 (fourth session) the s10-t10-kl-linear set; before, a set fitted to T=0.7
+                     samples and targets with a constant learning rate (its numbers are in
+                     benchmarks/heads_temperature_smollm2.json)
   s07-t10-kl         the plan sampled at T=0.7, targets at T=1.0, KL + CE, constant learning rate
   s07-t10-lk         the same plus an LK-style acceptance term -log sum min(p, q): measured once (commit eb0f6a2),
                      no better than KL + CE, deleted
@@ -18,9 +19,10 @@ prompts sampled at T=1.0 with T=1.0 targets, and sampled at T=0.7 with T=0.7 tar
                      fifth session of 2026-12-02 (before it, the package's samples were the plan's first 1,152);
                      on 4,800 prompts (sixth session) it was no better, so the rest of the plan stays unsampled
   *-tv               the variant with TV(p, q) = 1 - sum min(p, q) added to KL + CE (weight TV_WEIGHT): heads
-                     fitted for what rejection sampling accepts a child drawn from them at
+                     fitted for what rejection sampling accepts a child drawn from them at (the recipe since
+                     2026-12-04: s10-t10-kl-tv-linear is the shipped set)
   *-linear           the variant with the learning rate decayed linearly to zero over the steps (the recipe since
-                     2026-12-02, fourth session; s10-t10-kl-linear is the shipped set)
+                     2026-12-02, fourth session)
   *-independent      the variant with independent heads (each reads only h_t: the kind vLLM's export takes)
 
 ``--ship VARIANT``: write a fitted variant's heads to the package as the shipped set of its kind (fp16, keyed to the

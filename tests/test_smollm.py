@@ -300,6 +300,8 @@ def test_shipped_heads_load_for_the_default_policy_and_reach_their_reported_hit_
     folder = zoo.build_heads(PRESET, progress=False)  # installs the shipped path heads: no sampling or distillation
     heads = SpeculativeHeads.from_pretrained(folder)
     assert heads.config.kind == report["kind"]
+    recipe = onpolicy_heads.onpolicy_distill_config()  # what `train-heads` fits: the loss the shipped set was fitted by
+    assert report["loss_weights"] == {name: getattr(recipe, f"{name}_weight") for name in ("kl", "nll", "tv")}
     samples = onpolicy_heads.shipped_samples(PRESET, key)
     assert report["sampled_tokens"] == {k: sum(len(c) for _, c in v) for k, v in samples.items()}
     check = onpolicy_heads.heldout_slice(heads, model, samples, onpolicy_heads.onpolicy_distill_config())

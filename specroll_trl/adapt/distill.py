@@ -383,7 +383,8 @@ def distill_on_streams(model, train_stream: TokenStream, heldout_stream: TokenSt
     ``config.draft_vocab_size`` tokens, unless ``heads`` are given) with early stopping on ``heldout_stream``.
     Returns ``(heads, report)``: ``report["hit_rates"][k-1][j]`` is head ``k``'s top-``j`` hit rate on the held-out
     stream, ``report["hit_rate_ci"]`` its 95% interval, ``report["target_mass"]`` the target's own top-``j`` mass
-    there. ``fp16_weights``: round the fitted weights to fp16 (as they will be saved) before measuring."""
+    there, ``report["loss_weights"]`` the loss they were fitted by. ``fp16_weights``: round the fitted weights to fp16
+    (as they will be saved) before measuring."""
     config = config or HeadDistillConfig()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -397,6 +398,7 @@ def distill_on_streams(model, train_stream: TokenStream, heldout_stream: TokenSt
         heads.half().float()
     report.update(kind=heads.config.kind, train_tokens=int(train_stream.anchor_ok.sum()),
                   draft_vocab_size=heads.config.draft_vocab_size,
+                  loss_weights={name: getattr(config, f"{name}_weight") for name in ("kl", "nll", "tv")},
                   truncated=report["steps"] < config.steps and "best_step" not in report,
                   **measure_heads(heads, model, heldout_stream, config.hit_ks, config.temperature))
     return heads, report

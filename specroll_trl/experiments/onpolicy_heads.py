@@ -44,12 +44,13 @@ SAMPLE_SEEDS = {"heldout": 100_000, "train": 0}
 def onpolicy_distill_config() -> HeadDistillConfig:
     """The recipe of the shipped heads: path-conditioned heads over an 8,192-token draft vocabulary, fitted to the
     policy's own samples at T=1.0 (GRPO's default) and the top-16 of its T=1.0 distribution plus the realised token,
-    a fixed number of steps with the learning rate decayed linearly to zero and early stopping on the held-out loss.
+    by KL + CE + TV(p, q) (the last what a child drawn from the heads is rejected at), a fixed number of steps with
+    the learning rate decayed linearly to zero and early stopping on the held-out loss.
     The engine drafts with them at any temperature (their logits rescaled to it); measured against the same recipe
     at T=0.7 in ``benchmarks/README.md``, they match it at T=0.7 and beat it at T=1.0."""
     return HeadDistillConfig(kind="path", temperature=1.0, max_new_tokens=256, sample_batch_size=64, steps=1500,
                              batch_size=512, lr=1e-3, lr_scheduler_type="linear", target_topk=16,
-                             draft_vocab_size=8192, eval_every=100, patience=3)
+                             draft_vocab_size=8192, eval_every=100, patience=3, tv_weight=1.0)
 
 
 def prompt_plan(tokenizer, train: int = TRAIN_PROMPTS, heldout: int = HELDOUT_PROMPTS) -> dict[str, list[list[int]]]:

@@ -304,7 +304,7 @@ def test_shipped_heads_load_for_the_default_policy_and_reach_their_reported_hit_
     assert report["loss_weights"] == {name: getattr(recipe, f"{name}_weight") for name in ("kl", "nll", "tv")}
     samples = onpolicy_heads.shipped_samples(PRESET, key)
     assert report["sampled_tokens"] == {k: sum(len(c) for _, c in v) for k, v in samples.items()}
-    check = onpolicy_heads.heldout_slice(heads, model, samples, onpolicy_heads.onpolicy_distill_config())
+    check = onpolicy_heads.heldout_slice(heads, model, samples, recipe)
     for measured, reported in zip(check["hit_rates"], report["heldout_slice"]["hit_rates"]):
         assert measured == pytest.approx({int(k): v for k, v in reported.items()}, abs=2e-3)
     # and the whole held-out set's figure is a real one (at the recipe's T=1.0, where the policy's own top-1 holds 46%)

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
-from specroll_trl.adapt.samples import left_pad
-from specroll_trl.engine import SpeculativeGenerator
-from specroll_trl.experiments.heads_bench import bench_prompts
-from specroll_trl.experiments.zoo import load_heads, load_policy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, installed or not
+
+from specroll_trl.adapt.samples import left_pad  # noqa: E402
+from specroll_trl.engine import SpeculativeGenerator  # noqa: E402
+from specroll_trl.experiments.heads_bench import bench_prompts  # noqa: E402
+from specroll_trl.experiments.zoo import load_heads, load_policy  # noqa: E402
 
 
 def main() -> None:

@@ -100,7 +100,8 @@ def test_only_layers_that_run_packed_are_packed_and_only_during_the_call(monkeyp
 
 @pytest.mark.parametrize("slow", ["packed", "f_linear"])
 def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow):
-    """A layer's calls in a bucket alternate the two kernels ``TRIALS`` times each; the faster is kept from then on."""
+    """The calls of a weight shape's layers in a bucket alternate the two kernels ``TRIALS`` times each; the faster is
+    kept from then on by every layer of that shape."""
     calls = []
 
     def slowed(kernel, name):
@@ -115,12 +116,13 @@ def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow
     model = make_model()
     ids = torch.randint(0, 32, (1, 3))
     kernels = LinearKernels(model)
-    layers = len(kernels.modules)
+    layers, shapes = len(kernels.modules), len(set(kernels.shape_of))
+    assert shapes < layers  # the two decoder layers share their shapes
     with kernels.active():
         for _ in range(2 * TRIALS):
             with kernels.forward(3):
                 logits(model, ids)
-        assert calls == [kind for kind in ["f_linear", "packed"] * TRIALS for _ in range(layers)]
+        assert calls.count(slow) == TRIALS * shapes  # each shape measured once, not each layer
         assert kernels.choice == {(i, 3): slow == "f_linear" for i in range(layers)}
         calls.clear()
         with kernels.forward(3):
@@ -131,6 +133,14 @@ def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow
         with kernels.forward(10**6):  # past MAX_PACKED_ROWS: F.linear, nothing measured
             logits(model, ids)
     assert {bucket for _, bucket in kernels.trials} == {2, 3}
+
+
+def test_a_deep_decoder_settles_a_new_bucket_within_one_forward():
+    model = make_model(layers=6)
+    kernels = LinearKernels(model)
+    with kernels.active(), kernels.forward(5):
+        logits(model, torch.randint(0, 32, (1, 5)))
+    assert set(kernels.choice) == {(i, rows_bucket(5)) for i in range(len(kernels.modules))}
 
 
 def test_only_plain_float32_cpu_linears_take_part():

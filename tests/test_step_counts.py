@@ -54,3 +54,22 @@ def test_the_no_draft_loop_reads_the_host_about_once_per_step():
     reference = count_generate(model, ids, torch.ones_like(ids), gc)
     assert reference.syncs <= 2 and reference.ops > 0
     assert plain.syncs <= reference.syncs + 1  # one read of the step's numbers
+
+
+@pytest.mark.parametrize("rule", ["top-k", "drawn"])
+def test_a_drafted_steps_kernels_do_not_grow_with_the_models_layers(rule):
+    """Committing the accepted slots touches every layer's keys and values: one stacked gather and one multi-tensor
+    copy, not two kernels per layer (what a GPU launches)."""
+    def kernels(layers):
+        model = make_model(vocab=64, hidden=32, layers=layers, seed=4)
+        heads = noisy_heads(model, num_heads=HEADS, std=0.2, kind="path")
+        gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=20, eos_token_id=None,
+                              pad_token_id=0)
+        engine = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=4, candidates=rule)
+        engine.acceptance.observe = lambda *args: None
+        torch.manual_seed(0)
+        ids = torch.randint(2, 64, (4, 6))
+        engine.generate(ids, torch.ones_like(ids))
+        return count_engine(engine, ids, torch.ones_like(ids)).kernels
+
+    assert kernels(8) <= kernels(2) + 1

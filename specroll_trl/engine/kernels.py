@@ -7,9 +7,12 @@ costs about 1.7x one token's although it reads the same weights (``benchmarks/RE
 weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count.
 Which is faster depends on the machine, the layer's shape and the row count (on these cores the packed
 ``lm_head`` wins at every row count, the small decoder matrices lose at one row), so it is measured, never
-assumed, and in place: per layer and bucket of query rows, that layer's calls inside the engine's own forwards
-alternate the two kernels until each has run ``TRIALS`` times, then the faster (by median, by at least
-``1 - MIN_GAIN``) computes every later call. No forward is spent on measuring.
+assumed, and in place: per weight shape and bucket of query rows, the calls of the layers of that shape inside
+the engine's own forwards alternate the two kernels until each has run ``TRIALS`` times, then the faster (by median,
+by at least ``1 - MIN_GAIN``) computes every later call of every layer of that shape. No forward is spent on
+measuring, and a decoder's repeated layers settle a new bucket within its first forward (measured per layer, a
+bucket took six forwards, half of each layer's calls on the slower kernel: the steps a fresh engine wastes while its
+budget tries new widths).
 
 A layer's weight is packed at its first packed call of a generation call and the copy dropped when the call
 ends, so generation always reads the parameters the trainer updated (a weight's version counter is no witness:
@@ -34,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 MAX_PACKED_ROWS = 256  # above this many query rows GEMM's own packing is amortised: F.linear, nothing measured
-TRIALS = 3  # calls per kernel, per layer and bucket, before the choice is made
+TRIALS = 3  # calls per kernel, per weight shape and bucket, before the choice is made
 MIN_GAIN = 0.95  # packed must be 5% faster to be chosen: a tie keeps the model's own kernel (and its rounding)
 
 
@@ -59,15 +62,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class LinearKernels:
-    """A model's eligible linear layers, their packed weights, and per layer and bucket of query rows the measured
-    choice between ``F.linear`` and the packed kernel. Use ``with kernels.active():`` around a generation call and
-    ``with kernels.forward(rows):`` around each forward whose kernels are chosen by its rows."""
+    """A model's eligible linear layers, their packed weights, and per layer and bucket of query rows the choice
+    between ``F.linear`` and the packed kernel, measured for each weight shape. Use ``with kernels.active():`` around
+    a generation call and ``with kernels.forward(rows):`` around each forward whose kernels are chosen by its rows."""
 
     def __init__(self, model: nn.Module):
         self.modules = ([m for m in model.modules() if isinstance(m, nn.Linear) and _eligible(m)]
                         if packed_kernel_available() else [])
         self.packed: dict[nn.Linear, torch.Tensor] = {}
-        self.trials: dict[tuple[int, int], tuple[list[float], list[float]]] = {}  # (layer, bucket) -> seconds
+        shapes = [(tuple(m.weight.shape), m.bias is not None) for m in self.modules]
+        self.shape_of = [sorted(set(shapes)).index(s) for s in shapes]  # layer -> its shape's id
+        self.trials: dict[tuple[int, int], tuple[list[float], list[float]]] = {}  # (shape, bucket) -> seconds
         self.choice: dict[tuple[int, int], bool] = {}  # (layer, bucket) -> packed wins
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.pack_seconds = 0.0
@@ -93,14 +98,16 @@ class LinearKernels:
             packed = self.choice.get(key)
             if packed is not None:
                 return packed_linear(x, self._packed(module), bias) if packed else F.linear(x, weight, bias)
-            times = self.trials.setdefault(key, ([], []))
+            shape = self.shape_of[index]
+            times = self.trials.setdefault((shape, self.bucket), ([], []))
             packed_weight = self._packed(module) if len(times[1]) < len(times[0]) else None  # F.linear first
             start = time.perf_counter()
             out = F.linear(x, weight, bias) if packed_weight is None else packed_linear(x, packed_weight, bias)
             times[packed_weight is not None].append(time.perf_counter() - start)
             self.setup_calls += 1
             if len(times[1]) >= TRIALS:
-                self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
+                packed = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
+                self.choice.update({(i, self.bucket): packed for i, s in enumerate(self.shape_of) if s == shape})
             return out
 
         return forward

@@ -31,6 +31,23 @@ class RaggedCache:
             layer.keys = fn(layer.keys)
             layer.values = fn(layer.values)
 
+    def _groups(self) -> list[list[tuple[object, str]]]:
+        """Every layer's ``(layer, "keys" | "values")``, grouped by tensor shape and dtype: what one stacked kernel
+        can move at once."""
+        groups: dict[tuple, list[tuple[object, str]]] = {}
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                groups.setdefault((t.shape, t.dtype), []).append((layer, name))
+        return list(groups.values())
+
+    def _apply_stacked(self, fn) -> None:
+        """``fn`` on the keys and values of all layers at once, stacked on a new leading axis (one kernel per shape
+        where ``fn`` is one, instead of one per layer: on a GPU each is a launch)."""
+        for group in self._groups():
+            for (layer, name), t in zip(group, fn(torch.stack([getattr(layer, name) for layer, name in group]))):
+                setattr(layer, name, t)
+
     def tree_attention_mask(self, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive 4D mask ``[B, 1, n, S + n]``: valid past slots of the row + the node's tree ancestors."""
         batch, n, _ = ancestors.shape
@@ -41,7 +58,7 @@ class RaggedCache:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the current batch), then drop leading all-hole columns."""
-        self._apply(lambda t: t.index_select(0, rows))
+        self._apply_stacked(lambda block: block.index_select(1, rows).unbind(0))
         self.valid = self.valid.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._trim_leading()
@@ -59,31 +76,34 @@ class RaggedCache:
         accepted = accepted[:, :width]
         appended = self.cache.layers[0].keys.shape[2] - past
         if appended > 1:  # a lone root (no draft) is already in place
-            kept, index = accepted.clamp(min=0)[:, None, :, None], {}
-
-            def gather(t):
-                shape = (t.shape[0], t.shape[1], width, t.shape[3])
-                idx = index.get(shape)
-                if idx is None:  # one index per cache shape, not per layer
-                    idx = index[shape] = kept.expand(shape)
-                t.narrow(2, past, width).copy_(t.narrow(2, past, appended).gather(2, idx))
-                return t.narrow(2, 0, past + width)  # a view: the next cache update copies anyway
-
-            self._apply(gather)
+            self._gather_appended(past, appended, accepted.clamp(min=0))
         self.valid = torch.cat([self.valid, accepted >= 0], dim=1)
         self.lengths = self.lengths + (accepted >= 0).sum(1)
         holes = self.physical_length - (int(self.lengths.max()) if longest is None else longest)
         if holes > self.compact_ratio * self.physical_length:
             self.compact()
 
+    def _gather_appended(self, past: int, appended: int, kept: torch.Tensor) -> None:
+        """Copy each row's ``kept [B, width]`` appended slots to the ``width`` slots after ``past`` and truncate every
+        layer there: one stacked gather and one multi-tensor copy per tensor shape, not two kernels per layer (on a
+        GPU each is a launch: 120 of them for a 30-layer policy's keys and values)."""
+        width = kept.shape[1]
+        for group in self._groups():
+            tensors = [getattr(layer, name) for layer, name in group]
+            batch, heads, _, dim = tensors[0].shape
+            block = torch.stack([t.narrow(2, past, appended) for t in tensors])
+            chosen = block.gather(3, kept[None, :, None, :, None].expand(len(tensors), batch, heads, width, dim))
+            torch._foreach_copy_([t.narrow(2, past, width) for t in tensors], list(chosen.unbind(0)))
+        self._apply(lambda t: t.narrow(2, 0, past + width))  # a view: the next cache update copies anyway
+
     def compact(self) -> None:
         """Move every row's valid slots to the right end (order kept) and drop all-hole columns."""
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices  # holes first
 
-        def gather(t):
-            return t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], -1, t.shape[3]))
+        def gather(block):
+            return block.gather(3, order[None, :, None, :, None].expand(*block.shape[:3], -1, block.shape[4])).unbind(0)
 
-        self._apply(gather)
+        self._apply_stacked(gather)
         self.valid = self.valid.gather(1, order)
         self._trim_leading()
 

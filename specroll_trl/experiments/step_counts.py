@@ -7,6 +7,8 @@ what eats a speculative gain: each tensor operation is a kernel launch, each syn
 rows, nodes or depths is host time. These counters read them on any device:
 
   * ``ops``: ATen operations dispatched outside the model's forward (a ``TorchDispatchMode``);
+  * ``kernels``: those of them that compute or copy (not a view, whose result aliases its input without writing):
+    on a GPU, the launches;
   * ``syncs``: calls that must read a tensor's value on the host (a ``TorchFunctionMode``: ``item``, ``tolist``,
     ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``nonzero``, ``unique``, ``masked_select`` and indexing
     with a boolean tensor), outside the model's forward and outside the node budget; the budget keeps its estimates
@@ -39,25 +41,33 @@ SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__
 @dataclass
 class StepCounts:
     ops: float
+    kernels: float
     syncs: float
     budget_syncs: float
     lines: float
     steps: int
 
     def as_dict(self) -> dict:
-        return {"ops_per_step": self.ops, "syncs_per_step": self.syncs, "budget_syncs_per_step": self.budget_syncs,
+        return {"ops_per_step": self.ops, "kernels_per_step": self.kernels, "syncs_per_step": self.syncs,
+                "budget_syncs_per_step": self.budget_syncs,
                 "engine_lines_per_step": self.lines, "steps": self.steps}
 
 
 class _Counter(TorchDispatchMode):
     def __init__(self, flags: dict):
         super().__init__()
-        self.flags, self.ops = flags, 0
+        self.flags, self.ops, self.kernels = flags, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.flags["active"] and not self.flags["in_model"]:
             self.ops += 1
+            self.kernels += not _is_view(func)
         return func(*args, **(kwargs or {}))
+
+
+def _is_view(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _name(func) -> str:
@@ -120,7 +130,12 @@ def counting(model, active: bool = True):
         sys.settrace(previous)
         pre.remove()
         post.remove()
-        result.update(ops=ops.ops, syncs=syncs.syncs, budget_syncs=syncs.budget_syncs, lines=lines[0])
+        result.update(ops=ops.ops, kernels=ops.kernels, syncs=syncs.syncs, budget_syncs=syncs.budget_syncs,
+                      lines=lines[0])
+
+
+def _per_step(counts: dict, steps: int) -> StepCounts:
+    return StepCounts(*(counts[name] / steps for name in ("ops", "kernels", "syncs", "budget_syncs", "lines")), steps)
 
 
 def count_engine(engine, input_ids, attention_mask, seed: int = 0) -> StepCounts:
@@ -142,8 +157,7 @@ def count_engine(engine, input_ids, attention_mask, seed: int = 0) -> StepCounts
         finally:
             del engine._draft, engine._finish
     steps = max(1, stats.forwards - 1)
-    return StepCounts(counts["ops"] / steps, counts["syncs"] / steps, counts["budget_syncs"] / steps,
-                      counts["lines"] / steps, steps)
+    return _per_step(counts, steps)
 
 
 def count_generate(model, input_ids, attention_mask, generation_config, seed: int = 0) -> StepCounts:
@@ -152,8 +166,7 @@ def count_generate(model, input_ids, attention_mask, generation_config, seed: in
     with counting(model) as (_, counts):
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
     steps = max(1, out.shape[1] - input_ids.shape[1] - 1)
-    return StepCounts(counts["ops"] / steps, counts["syncs"] / steps, counts["budget_syncs"] / steps,
-                      counts["lines"] / steps, steps)
+    return _per_step(counts, steps)
 
 
 def bench_counts(model_name: str, batch_sizes=(1, 8), nodes=(4,), max_new_tokens: int = 64, temperature: float = 1.0,
@@ -186,6 +199,7 @@ def bench_counts(model_name: str, batch_sizes=(1, 8), nodes=(4,), max_new_tokens
             records.append({"model": model_name, "batch_size": batch, "mode": mode, "device": device,
                             "temperature": temperature, **counts.as_dict()})
             if progress:
-                print(f"batch {batch:>3} {mode:<16} ops/step {counts.ops:7.1f}  syncs/step {counts.syncs:5.2f} "
+                print(f"batch {batch:>3} {mode:<16} ops/step {counts.ops:7.1f}  kernels/step {counts.kernels:7.1f}  "
+                      f"syncs/step {counts.syncs:5.2f} "
                       f"(budget {counts.budget_syncs:4.2f})  engine lines/step {counts.lines:6.1f}", flush=True)
     return records

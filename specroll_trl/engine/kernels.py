@@ -10,9 +10,9 @@ Which is faster depends on the machine, the layer's shape and the row count (on 
 assumed, and in place: per weight shape and bucket of query rows, the calls of the layers of that shape inside
 the engine's own forwards alternate the two kernels until each has run ``TRIALS`` times, then the faster (by median,
 by at least ``1 - MIN_GAIN``) computes every later call of every layer of that shape. No forward is spent on
-measuring, and a decoder's repeated layers settle a new bucket within its first forward (measured per layer, a
-bucket took six forwards, half of each layer's calls on the slower kernel: the steps a fresh engine wastes while its
-budget tries new widths).
+measuring, and a decoder's repeated layers settle a new bucket within its first forward (measured per layer, every
+layer took six forwards, half of its calls on the slower kernel; a layer with a shape of its own, such as the
+``lm_head``, still does).
 
 A layer's weight is packed at its first packed call of a generation call and the copy dropped when the call
 ends, so generation always reads the parameters the trainer updated (a weight's version counter is no witness:

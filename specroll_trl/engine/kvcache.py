@@ -33,20 +33,14 @@ class RaggedCache:
 
     def _groups(self) -> list[list[tuple[object, str]]]:
         """Every layer's ``(layer, "keys" | "values")``, grouped by tensor shape and dtype: what one stacked kernel
-        can move at once."""
+        can move at once (the few slots a step appends; ``compact`` and ``keep_rows``, which move the whole cache
+        now and then, stay per layer)."""
         groups: dict[tuple, list[tuple[object, str]]] = {}
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 groups.setdefault((t.shape, t.dtype), []).append((layer, name))
         return list(groups.values())
-
-    def _apply_stacked(self, fn) -> None:
-        """``fn`` on the keys and values of all layers at once, stacked on a new leading axis (one kernel per shape
-        where ``fn`` is one, instead of one per layer: on a GPU each is a launch)."""
-        for group in self._groups():
-            for (layer, name), t in zip(group, fn(torch.stack([getattr(layer, name) for layer, name in group]))):
-                setattr(layer, name, t)
 
     def tree_attention_mask(self, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive 4D mask ``[B, 1, n, S + n]``: valid past slots of the row + the node's tree ancestors."""
@@ -58,7 +52,7 @@ class RaggedCache:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the current batch), then drop leading all-hole columns."""
-        self._apply_stacked(lambda block: block.index_select(1, rows).unbind(0))
+        self._apply(lambda t: t.index_select(0, rows))
         self.valid = self.valid.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._trim_leading()
@@ -100,10 +94,10 @@ class RaggedCache:
         """Move every row's valid slots to the right end (order kept) and drop all-hole columns."""
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices  # holes first
 
-        def gather(block):
-            return block.gather(3, order[None, :, None, :, None].expand(*block.shape[:3], -1, block.shape[4])).unbind(0)
+        def gather(t):  # per layer: stacking the whole cache first would copy it twice
+            return t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], -1, t.shape[3]))
 
-        self._apply_stacked(gather)
+        self._apply(gather)
         self.valid = self.valid.gather(1, order)
         self._trim_leading()
 

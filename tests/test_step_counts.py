@@ -7,6 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from specroll_trl.engine import SpeculativeGenerator
+from specroll_trl.engine.drawn import AcceptanceByRank
 from specroll_trl.experiments.step_counts import count_engine, count_generate
 
 from .conftest import make_model
@@ -44,6 +45,19 @@ def test_a_step_does_not_grow_with_nodes_at_the_same_depth():
     assert many.ops <= 1.05 * few.ops + 2
     assert many.syncs <= few.syncs + 1
     assert many.lines <= 1.05 * few.lines + 5
+
+
+def test_a_drawn_step_works_once_per_depth_and_rank_of_its_shape():
+    """The rejection chain runs at each row's current node, one step per rank the shape has at that depth: more
+    nodes over the same depths and ranks cost nothing more, and ranks the branching factor allows but the shape does
+    not use cost nothing (the chain used to run every allowed rank at every depth: +~90 kernels a step here)."""
+    few, many = AcceptanceByRank(HEADS, 2).shape(7), AcceptanceByRank(HEADS, 2).shape(14)
+    assert [level[1] for level in few.levels] == [level[1] for level in many.levels] == [2, 2, 2]
+    few, many = (counts(4, max_nodes=n, topk_per_head=2, candidates="drawn") for n in (7, 14))
+    assert many.kernels <= 1.05 * few.kernels + 2
+    assert many.syncs <= few.syncs + 1
+    narrow, wide = (counts(4, max_nodes=HEADS, topk_per_head=k, candidates="drawn") for k in (1, 4))
+    assert wide.kernels <= 1.05 * narrow.kernels + 2
 
 
 def test_the_no_draft_loop_reads_the_host_about_once_per_step():

@@ -164,8 +164,9 @@ class AcceptanceByRank:
         return self.total / self.weight
 
     def edge(self) -> torch.Tensor:
-        """``[H, K]``: probability that the walk moves from a node of depth ``d`` into its rank-``r`` child."""
-        return first_accepted(self.alpha)
+        """``[H, K]``: probability that the walk moves from a node of depth ``d`` into its rank-``r`` child (on the
+        CPU: read when a shape is recomputed, every ``refresh`` steps)."""
+        return first_accepted(self.alpha).cpu()
 
     def shape(self, num_nodes: int, device=None) -> TreeShape:
         """The best tree of ``num_nodes`` nodes under the current rates (recomputed every ``refresh`` steps)."""
@@ -179,11 +180,13 @@ class AcceptanceByRank:
 
     def observe(self, alpha_sum: torch.Tensor, tried: torch.Tensor) -> None:
         """One step: per ``(depth, rank)`` the summed acceptance chances of the children tried and their number."""
+        if self.total.device != tried.device:  # kept where the walk counts: no host read per step
+            self.total, self.weight = self.total.to(tried.device), self.weight.to(tried.device)
         depth = tried.shape[0]  # a shallow tree tells nothing of the deeper depths
         self.weight *= self.forget
         self.total *= self.forget
-        self.weight[:depth] += tried.double().cpu()
-        self.total[:depth] += alpha_sum.double().cpu()
+        self.weight[:depth] += tried
+        self.total[:depth] += alpha_sum
         self._since += 1
 
 
@@ -201,24 +204,23 @@ def rank_acceptance(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor, fi
     Returns ``alpha [..., K]`` (each child's acceptance chance once its earlier siblings were rejected; 0 for no
     child) and ``residual [..., V]`` (what is sampled when every child is rejected).
     """
-    q_left = q
+    has, index = children >= 0, children.clamp(min=0)
     alphas = []
     for r in range(children.shape[-1]):
-        token = children[..., r:r + 1]
-        at = token.clamp(min=0)
+        at = index[..., r:r + 1]
         if r < fixed:
             q_r = torch.zeros_like(p).scatter_(-1, at, 1.0)
         else:
-            q_r = q_left / q_left.sum(-1, keepdim=True).clamp(min=TINY)
+            q_r = q / q.sum(-1, keepdim=True).clamp(min=TINY)
         q_c, p_c = q_r.gather(-1, at), p.gather(-1, at)
-        real = (token >= 0) & (q_c > 0)
-        alphas.append(torch.where(real, (p_c / q_c.clamp(min=TINY)).clamp(max=1.0), 0.0).squeeze(-1))
+        real = has[..., r:r + 1] & (q_c > 0)
+        alphas.append(torch.where(real, (p_c / q_c.clamp(min=TINY)).clamp(max=1.0), 0.0))
         residual = (p - q_r).clamp(min=0)
         mass = residual.sum(-1, keepdim=True)
         # a residual of mass ~0 means p == q_r: that child is accepted surely, so its residual is never sampled
         p = torch.where(real & (mass > 1e-12), residual / mass.clamp(min=TINY), p)
-        q_left = torch.where(real, q_left.scatter(-1, at, 0.0), q_left)
-    return torch.stack(alphas, -1), p
+        q = torch.where(real, q.scatter(-1, at, 0.0), q)
+    return torch.cat(alphas, -1) if alphas else p.new_zeros(children.shape), p
 
 
 @dataclass
@@ -236,20 +238,25 @@ class DrawnDraft:
     vocab: torch.Tensor | None
     grown: GrownTree
 
-    def chain_inputs(self, probs: torch.Tensor, nodes: torch.Tensor):
-        """What ``rank_acceptance`` needs at ``nodes [B, ...]`` (node indices per row), in the projection's
-        coordinates plus one last bucket for the target's mass outside them (where ``q`` is zero, so the chain only
-        ever rescales it): ``p [B, ..., V'+1]``, ``q [B, ..., V'+1]`` and the children's indices ``[B, ..., K]``."""
+    def target_at(self, probs: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """The target at ``nodes [B, ...]`` (node indices per row) in the projection's coordinates plus one last
+        bucket for its mass outside them (where ``q`` is zero, so the chain only ever rescales it):
+        ``[B, ..., V'+1]``."""
         rows = torch.arange(nodes.shape[0], device=nodes.device).view(-1, *([1] * (nodes.dim() - 1)))
         p = probs[rows, nodes]
         if self.vocab is not None:
             p = p.index_select(-1, self.vocab)
-        p = torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp(min=0)], -1)
+        return torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp(min=0)], -1)
+
+    def chain_inputs(self, probs: torch.Tensor, nodes: torch.Tensor, width: int | None = None):
+        """What ``rank_acceptance`` needs at ``nodes [B, ...]``: ``target_at``, ``q [B, ..., V'+1]`` and the
+        indices of the nodes' first ``width`` children (all by default) ``[B, ..., width]``."""
+        rows = torch.arange(nodes.shape[0], device=nodes.device).view(-1, *([1] * (nodes.dim() - 1)))
         q = self.q[rows, self.slot[nodes]]
         q = torch.cat([q, torch.zeros_like(q[..., :1])], -1)
-        kids = self.shape.children[nodes]  # [B, ..., K]
+        kids = self.shape.children[nodes, :width]  # [B, ..., w]
         kid_index = self.index[rows[..., None], kids.clamp(min=0)]
-        return p, q, torch.where(kids >= 0, kid_index, -1)
+        return self.target_at(probs, nodes), q, torch.where(kids >= 0, kid_index, -1)
 
 
 def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size: int, fixed: int,
@@ -335,40 +342,42 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
             root.
     """
     shape = draft.shape
-    batch, width = probs.shape[0], shape.children.shape[1]
-    rows = torch.arange(batch, device=probs.device)
-    current = torch.zeros(batch, dtype=torch.long, device=probs.device)
-    alive = torch.ones(batch, dtype=torch.bool, device=probs.device)
+    batch, device = probs.shape[0], probs.device
+    rows = torch.arange(batch, device=device)
+    current = torch.zeros(batch, dtype=torch.long, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
     final, stop = None, current
     path = [current]
-    alpha_sum = torch.zeros((shape.max_depth + 1, width), dtype=torch.float64, device=probs.device)
+    alpha_sum = torch.zeros((shape.max_depth, shape.children.shape[1]), dtype=torch.float64, device=device)
     tried = torch.zeros_like(alpha_sum)
-    for d in range(shape.max_depth + 1):
-        kids = shape.children[current]  # [B, K]
-        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, current), fixed)
-        hit = (uniforms[:, d] < alpha) & alive[:, None]
+    for d, (_, width, _, _) in enumerate(shape.levels):
+        # only the ranks some node of this depth has: a chain step per (depth, rank) of the shape, none per node
+        kids = shape.children[current, :width]  # [B, w]
+        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, current, width), fixed)
+        hit = (uniforms[:, d, :width] < alpha) & alive[:, None]
         moved = hit.any(1)
         first = hit.int().argmax(1)
-        was_tried = (kids >= 0) & alive[:, None] & (torch.arange(width, device=probs.device) <= torch.where(
-            moved, first, width)[:, None])
-        alpha_sum[d] += (alpha.double() * was_tried).sum(0)
-        tried[d] += was_tried.sum(0)
+        was_tried = (kids >= 0) & (torch.arange(width, device=device) <= torch.where(moved, first, width)[:, None])
+        was_tried &= alive[:, None]
+        alpha_sum[d, :width] += (alpha.double() * was_tried).sum(0)
+        tried[d, :width] += was_tried.sum(0)
         stops = alive & ~moved
         final = residual if final is None else torch.where(stops[:, None], residual, final)
         stop = torch.where(stops, current, stop)
         current = torch.where(moved, kids[rows, first], current)
         alive = moved
         path.append(torch.where(alive, current, -1))
+    # the rows still walking stand at a leaf of the deepest depth: what they emit is a sample of p there
+    residual = draft.target_at(probs, current)
+    final = residual if final is None else torch.where(alive[:, None], residual, final)
+    stop = torch.where(alive, current, stop)
     next_root = inverse_cdf(final, uniforms[:, -1, 0])
     if draft.vocab is not None:  # the last bucket: a token outside the heads' vocabulary, drawn from p restricted there
         outside = probs[rows, stop].index_fill(-1, draft.vocab, 0.0)
         off = inverse_cdf(outside, torch.rand(batch, dtype=torch.float64, device=probs.device))
         next_root = torch.where(next_root == draft.vocab.numel(), off, draft.vocab[next_root.clamp(
             max=draft.vocab.numel() - 1)])
-    return RejectionOutcome(torch.stack(path[:-1], 1), next_root, alpha_sum[:-1], tried[:-1])
-
-
-
+    return RejectionOutcome(torch.stack(path, 1), next_root, alpha_sum, tried)
 
 
 def expected_accepted_drawn(draft: DrawnDraft, probs: torch.Tensor, fixed: int) -> torch.Tensor:

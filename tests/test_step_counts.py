@@ -88,3 +88,26 @@ def test_a_drafted_steps_kernels_do_not_grow_with_the_models_layers(rule):
         return count_engine(engine, ids, torch.ones_like(ids)).kernels
 
     assert kernels(8) - kernels(2) <= 0.5 * (8 - 2)
+
+
+def test_a_drawn_step_reads_the_host_once_outside_its_planning():
+    """The drawn trees' shape is planning kept on the host, like the node budget's estimates: rebuilt every
+    ``refresh`` steps from one copy of the acceptance rates, its reads are counted with the budget's. The step itself
+    reads the host once, as a plain step does (it read 1.6 more per step here when the shape's reads counted as
+    the step's)."""
+    def engine_counts(**options):
+        model = make_model(vocab=64, hidden=32, seed=4)
+        heads = noisy_heads(model, num_heads=HEADS, std=0.2, kind="path")
+        gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=64, eos_token_id=None,
+                              pad_token_id=0)
+        engine = SpeculativeGenerator(model, heads, gc, capacity=10**9, **options)
+        torch.manual_seed(0)
+        ids = torch.randint(2, 64, (1, 6))
+        engine.generate(ids, torch.ones_like(ids))
+        return count_engine(engine, ids, torch.ones_like(ids))
+
+    plain, drawn = engine_counts(max_nodes=0), engine_counts(max_nodes=4, candidates="drawn")
+    assert drawn.steps < 40 and drawn.budget_syncs > plain.budget_syncs  # the shape was rebuilt and counted apart
+    # per call: one read per step, and the few a row's end costs (as many as the plain loop's)
+    extra = [c.syncs * c.steps - c.steps for c in (plain, drawn)]
+    assert extra[1] <= extra[0] + 1

@@ -11,9 +11,10 @@ rows, nodes or depths is host time. These counters read them on any device:
     on a GPU, the launches;
   * ``syncs``: calls that must read a tensor's value on the host (a ``TorchFunctionMode``: ``item``, ``tolist``,
     ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``nonzero``, ``unique``, ``masked_select`` and indexing
-    with a boolean tensor), outside the model's forward and outside the node budget; the budget keeps its estimates
-    in host tensors by design (on a GPU only its copy of a drafted step's path scores crosses), so its reads are
-    counted apart, ``budget_syncs``;
+    with a boolean tensor), outside the model's forward and outside the engine's planning; the node budget keeps its
+    estimates in host tensors by design (on a GPU only its copy of a drafted step's path scores crosses), and so does
+    the drawn trees' shape (rebuilt every ``refresh`` steps from one copy of the acceptance rates by rank,
+    ``AcceptanceByRank.shape``), so their reads are counted apart, ``budget_syncs``;
   * ``lines``: Python lines executed in ``specroll_trl/engine`` (``sys.settrace``): what grows with a loop over
     rows or nodes.
 
@@ -32,8 +33,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..engine.drawn import AcceptanceByRank
+
 ENGINE_DIR = str(Path(__file__).resolve().parents[1] / "engine")
 BUDGET_FILE = str(Path(ENGINE_DIR) / "budget.py")
+PLANNING_CODES = {AcceptanceByRank.shape.__code__}  # host-side planning outside budget.py
 SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique",
                 "masked_select", "argwhere"}
 
@@ -108,7 +112,7 @@ def counting(model, active: bool = True):
     def trace(frame, event, arg):
         if not frame.f_code.co_filename.startswith(ENGINE_DIR):
             return None
-        budget = frame.f_code.co_filename == BUDGET_FILE
+        budget = frame.f_code.co_filename == BUDGET_FILE or frame.f_code in PLANNING_CODES
         flags["in_budget"] += budget
 
         def local(frame, event, arg):

@@ -1,12 +1,19 @@
-"""Where a decoding step's time goes at one row on this CPU: ms per step of the engine at 0 / 2 / 4 draft nodes against
-`generate`, torch.profiler tables of a 0- and a 2-node run and of `generate`, and the lm_head product alone,
-`F.linear` against `x @ W.T` with a transposed copy, for 1-8 query rows.
+"""Where a decoding step's time goes at one row on this CPU, in parts (``--parts``, all by default):
+
+* ``steps``: ms per step of the engine at 0 / 2 / 4 draft nodes against `generate`;
+* ``phases``: ms per step in each of the engine's phases (draft, verify, commit, ...), a plain step against a 4-node
+  drawn and a 4-node top-k one;
+* ``profiles``: torch.profiler tables of a 0- and a 2-node run and of `generate`;
+* ``lm_head``: the lm_head product alone, `F.linear` against `x @ W.T` with a transposed copy, for 1-8 query rows;
+* ``gemm``: what these cores compute at best, GFLOP/s of a large fp32 matrix product.
 
   OMP_NUM_THREADS=1 python scripts/step_profile.py     (shares hold under load; milliseconds do not)
+  python scripts/step_profile.py --parts phases gemm  (two threads, quiet machine)
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -30,11 +37,10 @@ def median_ms(fn, repeats: int = 9, inner: int = 10) -> float:
     return 1e3 * statistics.median(times)
 
 
-def main() -> None:
-    model, tokenizer = load_policy("smollm2-135m", progress=False)
-    heads = load_heads("smollm2-135m", progress=False)
-    gc = trl_generation_config(model, tokenizer, 64, 1.0)
-    ids, mask = left_pad(bench_prompts(tokenizer, 1), tokenizer.pad_token_id)
+PHASES = ("_draft", "_verify", "_commit", "_observe_budget", "_retire")
+
+
+def step_times(model, heads, gc, ids, mask) -> None:
     engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9) for n in (0, 2, 4)}
     per_step = {n: [] for n in [*engines, "generate"]}
     for seed in range(4):
@@ -48,6 +54,42 @@ def main() -> None:
         per_step["generate"].append((time.perf_counter() - start) / (out.shape[1] - ids.shape[1]))
     for name, seconds in per_step.items():
         print(f"{name}: {1000 * statistics.median(seconds):.1f} ms per step", flush=True)
+
+
+def phase_times(model, heads, gc, ids, mask, rounds: int = 4) -> None:
+    """Each phase's wall time summed over ``rounds`` calls per engine (alternating), per decoding step."""
+    engines = {"plain": dict(max_nodes=0), "4 nodes, drawn": dict(max_nodes=4, candidates="drawn"),
+               "4 nodes, top-k": dict(max_nodes=4, candidates="top-k")}
+    engines = {name: SpeculativeGenerator(model, heads, gc, capacity=10**9, **options)
+               for name, options in engines.items()}
+    spent = {name: dict.fromkeys(PHASES, 0.0) for name in engines}
+
+    def timed(name, method):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name][method.__name__] += time.perf_counter() - start
+        return run
+
+    for engine in engines.values():
+        engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
+    for name, engine in engines.items():
+        for phase in PHASES:
+            setattr(engine, phase, timed(name, getattr(engine, phase)))
+    steps = dict.fromkeys(engines, 0)
+    for seed in range(rounds):
+        for name, engine in engines.items():
+            torch.manual_seed(seed)
+            steps[name] += engine.generate(ids, mask).stats.forwards - 1
+    for name, phases in spent.items():
+        parts = ", ".join(f"{phase.strip('_')} {1000 * seconds / steps[name]:.2f}" for phase, seconds in phases.items())
+        print(f"{name}: ms per step: {parts} ({steps[name]} steps)", flush=True)
+
+
+def profiles(model, heads, gc, ids, mask) -> None:
+    engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9) for n in (0, 2)}
     runs = {"nodes 0": lambda: engines[0].generate(ids, mask), "nodes 2": lambda: engines[2].generate(ids, mask),
             "generate": lambda: model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)}
     for name, run in runs.items():
@@ -55,6 +97,9 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
         print(f"== {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
+
+
+def lm_head_products(model, *_) -> None:
     weight = model.get_output_embeddings().weight.detach()
     transposed = weight.t().contiguous()
     for rows in (1, 2, 3, 4, 5, 8):
@@ -62,6 +107,30 @@ def main() -> None:
         linear = median_ms(lambda x=x: F.linear(x, weight))
         copy = median_ms(lambda x=x: x @ transposed)
         print(f"lm_head, {rows} query rows: F.linear {linear:6.1f} ms, x @ W.T (transposed copy) {copy:6.1f} ms")
+
+
+def gemm_rate(*_) -> None:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    ms = median_ms(lambda: a @ b, repeats=7, inner=3)
+    print(f"fp32 GEMM 2048^3 at {torch.get_num_threads()} threads: {ms:.1f} ms, {2 * 2048**3 / ms / 1e6:.0f} GFLOP/s")
+
+
+PARTS = {"steps": step_times, "phases": phase_times, "profiles": profiles, "lm_head": lm_head_products,
+         "gemm": gemm_rate}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    model, tokenizer = load_policy("smollm2-135m", progress=False)
+    heads = load_heads("smollm2-135m", progress=False)
+    gc = trl_generation_config(model, tokenizer, args.max_new_tokens, 1.0)
+    ids, mask = left_pad(bench_prompts(tokenizer, 1), tokenizer.pad_token_id)
+    with torch.no_grad():
+        for part in args.parts:
+            PARTS[part](model, heads, gc, ids, mask)
 
 
 if __name__ == "__main__":

@@ -136,10 +136,13 @@ def plot_heads(records: list[dict], path: str | Path) -> None:
         ax.plot(nodes, tau, marker="o",
                 ls="-" if temperature == 0.7 else "--", label=f"{name}{f', {rule}' if rule else ''}, T={temperature}")
     costs = [r for r in records if "break_even_tau" in r]
+    batches = sorted({r["batch_size"] for r in costs})
     for batch, kind in dict.fromkeys((r["batch_size"], r.get("kernels", "measured")) for r in costs):
         rows = [r for r in costs if r["batch_size"] == batch and r.get("kernels", "measured") == kind]
+        shade = batches.index(batch) / max(1, len(batches) - 1)  # more rows, lighter
         ax.plot([r["nodes"] for r in rows], [r["break_even_tau"] for r in rows], ls=":",
-                color="grey" if kind == "measured" else "lightcoral", marker=".",
+                color=(0.1 + 0.55 * shade,) * 3 if kind == "measured" else (0.95, 0.5 - 0.3 * shade, 0.5 - 0.3 * shade),
+                marker="o^sD"[batches.index(batch) % 4], markersize=4,
                 label=f"break-even tau here, {batch} row{'s' * (batch > 1)}{', F.linear' * (kind == 'f_linear')}")
     ax.set_xscale("symlog", base=2)
     ax.set_xlabel("draft nodes per row")

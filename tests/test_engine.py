@@ -539,6 +539,21 @@ def test_non_finite_logits_name_step_and_row(value, step, row):
     assert len(calls) == step + 1  # stopped at once
 
 
+def test_finite_logits_whose_sum_overflows_are_not_an_error():
+    """The step checks one sum of its logits; a sum that overflows on finite logits goes to the exact check, which
+    lets the step on."""
+    model = make_model(vocab=32)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    engine = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2), gc, capacity=8)
+
+    def huge(_module, _args, output):
+        output.logits[..., 5:] = 3e38  # finite, argmax 5, sum inf
+        return output
+
+    model.register_forward_hook(huge)
+    assert engine.generate(torch.tensor([[3, 4]])).completion_ids == [[5] * 6]
+
+
 def test_logprobs_are_target_log_softmax_over_temperature(nano):
     model, _, heads = nano
     prompts, ids, mask, gc = nano_sampling_inputs(nano, 4, seed=780, temperature=0.8, max_new_tokens=24)

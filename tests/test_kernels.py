@@ -13,7 +13,14 @@ from transformers import GenerationConfig
 
 from specroll_trl.engine import SpeculativeGenerator, SpeculativeHeads
 from specroll_trl.engine import kernels as kernels_mod
-from specroll_trl.engine.kernels import TRIALS, LinearKernels, kernels_of, packed_kernel_available, rows_bucket
+from specroll_trl.engine.kernels import (
+    TRIALS,
+    LinearKernels,
+    kernels_of,
+    packed_kernel_available,
+    rows_bucket,
+    weight_shape,
+)
 
 from .conftest import left_padded, make_model
 from .test_engine import (
@@ -28,8 +35,27 @@ from .test_engine import (
 pytestmark = pytest.mark.skipif(not packed_kernel_available(), reason="this torch build has no oneDNN")
 
 
-def choose(kernels: LinearKernels, packed: bool, rows=range(1, 1 << 16)) -> None:
-    kernels.choice.update({(i, b): packed for i in range(len(kernels.modules)) for b in {rows_bucket(r) for r in rows}})
+class Always(dict):
+    """A choice for every weight shape and bucket not set otherwise (the heads' and their projection's included)."""
+
+    def __init__(self, packed: bool):
+        super().__init__()
+        self.packed = packed
+
+    def get(self, key, default=None):
+        return super().get(key, self.packed)
+
+
+def choose(kernels: LinearKernels, packed: bool, rows=None) -> None:
+    """``packed`` for every shape and row count, or (``rows``) for the model's shapes at those rows' buckets."""
+    if rows is None:
+        kernels.choice = Always(packed)
+    else:
+        kernels.choice.update({(s, rows_bucket(r)): packed for s in shapes_of(kernels) for r in rows})
+
+
+def shapes_of(kernels: LinearKernels) -> set:
+    return {weight_shape(m) for m in kernels.modules}
 
 
 def force_packed(monkeypatch, model) -> LinearKernels:
@@ -116,14 +142,14 @@ def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow
     model = make_model()
     ids = torch.randint(0, 32, (1, 3))
     kernels = LinearKernels(model)
-    layers, shapes = len(kernels.modules), len(set(kernels.shape_of))
+    layers, shapes = len(kernels.modules), len(shapes_of(kernels))
     assert shapes < layers  # the two decoder layers share their shapes
     with kernels.active():
         for _ in range(2 * TRIALS):
             with kernels.forward(3):
                 logits(model, ids)
         assert calls.count(slow) == TRIALS * shapes  # each shape measured once, not each layer
-        assert kernels.choice == {(i, 3): slow == "f_linear" for i in range(layers)}
+        assert kernels.choice == {(s, 3): slow == "f_linear" for s in shapes_of(kernels)}
         calls.clear()
         with kernels.forward(3):
             logits(model, ids)
@@ -140,7 +166,7 @@ def test_a_deep_decoder_settles_a_new_bucket_within_one_forward():
     kernels = LinearKernels(model)
     with kernels.active(), kernels.forward(5):
         logits(model, torch.randint(0, 32, (1, 5)))
-    assert set(kernels.choice) == {(i, rows_bucket(5)) for i in range(len(kernels.modules))}
+    assert set(kernels.choice) == {(s, rows_bucket(5)) for s in shapes_of(kernels)}
 
 
 def test_only_plain_float32_cpu_linears_take_part():
@@ -151,6 +177,26 @@ def test_only_plain_float32_cpu_linears_take_part():
     assert hooked not in kernels.modules and len(kernels.modules) > 0
     assert LinearKernels(make_model().to(torch.bfloat16)).modules == []
     assert kernels_of(model) is kernels_of(model)  # one packed copy per model, however many engines
+
+
+def test_the_heads_and_their_draft_projection_take_part_for_one_call_only(monkeypatch):
+    """Drafting computes through the chosen kernels too (the heads, the draft vocabulary's rows of the lm_head); the
+    copies are packed inside the call, and the modules are left as they were when it ends."""
+    model = make_model(vocab=48, hidden=32)
+    heads = SpeculativeHeads.from_model(model, num_heads=2, kind="path", draft_ids=list(range(0, 48, 2)))
+    engine = SpeculativeGenerator(model, heads, GenerationConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=0),
+                                  max_nodes=3, capacity=64)
+    choose(engine.kernels, True)
+    packed = []
+    pack = LinearKernels._packed
+    monkeypatch.setattr(LinearKernels, "_packed", lambda self, m: packed.append(m) or pack(self, m))
+    engine.generate(torch.tensor([[3, 4, 5]]))
+    head_linears = [m for m in heads.modules() if isinstance(m, nn.Linear)]
+    drafting = [m for m in set(packed) if not any(m is n for n in model.modules())]
+    assert any(m in head_linears for m in drafting)
+    projection = [m for m in drafting if m not in head_linears]
+    assert [tuple(m.weight.shape) for m in projection] == [(24, 32)]  # the draft vocabulary's rows, packed
+    assert engine.kernels.adopted == [] and all("forward" not in m.__dict__ for m in head_linears)
 
 
 def test_greedy_identity_with_every_forward_packed(monkeypatch):

@@ -279,22 +279,28 @@ class SpeculativeHeads(nn.Module):
 class VocabProjection:
     """The heads' output projection: the target's ``lm_head`` weight (detached: head training never moves it), or
     only its rows for a draft vocabulary, times ``scale`` (a change of temperature). It reads the weight once, so
-    build one per ``generate`` call or training run: the policy's ``lm_head`` moves as it trains."""
+    build one per ``generate`` call or training run: the policy's ``lm_head`` moves as it trains. ``linear`` is that
+    weight as a frozen ``nn.Linear`` (``None`` under ZeRO-3), so the engine can choose its kernel (``engine.kernels``)."""
 
     def __init__(self, lm_head: nn.Module, draft_ids: torch.Tensor | None, scale: float = 1.0):
         self.lm_head, self.draft_ids, self.scale, self._inverse = lm_head, draft_ids, scale, None
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         self.partitioned = is_partitioned(weight)  # ZeRO-3 without a gather (outside the engine: `local_copies`)
-        if draft_ids is not None and not self.partitioned:
-            weight, bias = weight.index_select(0, draft_ids), None if bias is None else bias.index_select(0, draft_ids)
-        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+        self.linear = None
+        if not self.partitioned:
+            if draft_ids is not None:
+                weight, bias = weight.index_select(0, draft_ids), None if bias is None else bias.index_select(0, draft_ids)
+            self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+            self.linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+            if bias is not None:
+                self.linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         if self.partitioned:
             logits = self.lm_head(z)
             logits = logits if self.draft_ids is None else logits.index_select(-1, self.draft_ids)
         else:
-            logits = F.linear(z, self.weight, self.bias)
+            logits = self.linear(z)
         return logits if self.scale == 1.0 else logits * self.scale
 
     def target_ids(self, index: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,9 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
               max_new_tokens: int = 48, repeats: int = 3, temperature: float = 0.7, device: str = "cpu",
               progress: bool = True, unpacked: bool = False) -> list[dict]:
     """One record per (batch size, nodes): the median seconds of one decoding step (draft + verify + commit, the
-    prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat; with
+    prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat. The
+    weights the kernels pack once per call (``pack_s``, per call) are not a step's: ``step_s`` leaves them out and
+    ``step_with_packing_s`` spreads them over the call's steps (a ``max_new_tokens`` call); with
     ``unpacked``, the same with the model's own linear kernels (``pack_linears=False``, records ``kernels:
     "f_linear"``) alternated with the engine's measured choice (``"measured"``), each against its own plain step."""
     model = model.to(device)
@@ -98,7 +100,7 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
                    for kind in kinds for n in node_counts}
         for engine in engines.values():  # warm-up: the kernels' choice for each width is measured here
             engine.generate(ids, mask, max_new_tokens=8)
-        per_step = {key: [] for key in engines}
+        per_step, with_packing, packing = ({key: [] for key in engines} for _ in range(3))
         for r in range(repeats):
             start = time.perf_counter()
             engines["measured", 0].generate(ids, mask, max_new_tokens=1)
@@ -108,16 +110,23 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
             for key, engine in engines.items():
                 torch.manual_seed(r)
                 stats = engine.generate(ids, mask).stats
-                per_step[key].append((stats.seconds - prefill) / max(1, stats.forwards - 1))
+                steps = max(1, stats.forwards - 1)
+                with_packing[key].append((stats.seconds - prefill) / steps)
+                per_step[key].append((stats.seconds - prefill - stats.pack_seconds) / steps)
+                packing[key].append(stats.pack_seconds)
         for kind in kinds:
             base = statistics.median(per_step[kind, 0])
+            base_packing = statistics.median(with_packing[kind, 0])
             for n in node_counts:
-                step = statistics.median(per_step[kind, n])
+                step, packed = statistics.median(per_step[kind, n]), statistics.median(with_packing[kind, n])
+                pack = statistics.median(packing[kind, n])
                 records.append({"batch_size": batch, "nodes": n, "step_s": step, "relative": step / base,
-                                "break_even_tau": step / base, "kernels": kind})
+                                "break_even_tau": step / base, "kernels": kind, "pack_s": pack,
+                                "step_with_packing_s": packed, "relative_with_packing": packed / base_packing})
                 if progress:
                     print(f"batch {batch:>2} nodes {n:>2} {kind:>8}: step {1000 * step:7.1f} ms = {step / base:.2f}x "
-                          "a plain step", flush=True)
+                          f"a plain step; packing {1000 * pack:.0f} ms a call, {packed / base_packing:.2f}x with it "
+                          f"spread over {max_new_tokens} tokens", flush=True)
     return records
 
 

@@ -197,6 +197,9 @@ def test_heads_bench_measures_tau_per_tree_size_and_the_step_cost(nano, tmp_path
     costs = step_cost(model, tokenizer, folder, batch_sizes=(2,), node_counts=(0, 4), max_new_tokens=8, repeats=1,
                       progress=False)
     assert [r["nodes"] for r in costs] == [0, 4] and costs[0]["relative"] == 1.0 and costs[1]["step_s"] > 0
+    # the weights packed once per call are reported apart, and spread over the call's steps beside
+    assert all(r["pack_s"] >= 0 and r["step_with_packing_s"] >= r["step_s"] for r in costs)
+    assert costs[0]["relative_with_packing"] == 1.0
     plot_heads(taus + costs, tmp_path / "heads.png")
     assert (tmp_path / "heads.png").stat().st_size > 10_000
 

@@ -3,8 +3,11 @@
 * ``steps``: ms per step of the engine at 0 / 2 / 4 draft nodes against `generate`;
 * ``phases``: ms per step in each of the engine's phases (draft, verify, commit, ...), a plain step against a 4-node
   drawn and a 4-node top-k one;
+* ``drafting``: ms per step of the parts of a 4-node drawn step's draft and commit (the heads' blocks, their vocabulary
+  projection, the draw, the rejection walk, the KV commit);
 * ``profiles``: torch.profiler tables of a 0- and a 2-node run and of `generate`;
-* ``lm_head``: the lm_head product alone, `F.linear` against `x @ W.T` with a transposed copy, for 1-8 query rows;
+* ``lm_head``: the lm_head product and the heads' draft-vocabulary projection alone, `F.linear` against the packed
+  kernel (and, for the lm_head, `x @ W.T` with a transposed copy), for 1-17 query rows, and what packing costs;
 * ``gemm``: what these cores compute at best, GFLOP/s of a large fp32 matrix product.
 
   OMP_NUM_THREADS=1 python scripts/step_profile.py     (shares hold under load; milliseconds do not)
@@ -23,6 +26,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from specroll_trl.adapt.samples import left_pad
 from specroll_trl.engine import SpeculativeGenerator
+from specroll_trl.engine import generator as engine_module
+from specroll_trl.engine.heads import SpeculativeHeads, VocabProjection
+from specroll_trl.engine.kernels import packed_linear
+from specroll_trl.engine.kvcache import RaggedCache
 from specroll_trl.experiments.heads_bench import bench_prompts
 from specroll_trl.experiments.zoo import load_heads, load_policy, trl_generation_config
 
@@ -88,6 +95,42 @@ def phase_times(model, heads, gc, ids, mask, rounds: int = 4) -> None:
         print(f"{name}: ms per step: {parts} ({steps[name]} steps)", flush=True)
 
 
+def drafting_parts(model, heads, gc, ids, mask, rounds: int = 3) -> None:
+    """A 4-node drawn step's draft and commit in parts, each function's wall time summed over ``rounds`` calls, per
+    step (the parts nest: ``draw_tree`` holds the heads' blocks and projection)."""
+    engine = SpeculativeGenerator(model, heads, gc, max_nodes=4, candidates="drawn", capacity=10**9)
+    engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
+    spent = dict.fromkeys(["head blocks", "projection", "draw_tree", "_draft", "rejection_walk", "cut", "kv commit",
+                           "_commit"], 0.0)
+    targets = [(SpeculativeHeads, "head_state", "head blocks"), (VocabProjection, "__call__", "projection"),
+               (engine_module, "draw_tree", "draw_tree"), (engine, "_draft", "_draft"),
+               (engine_module, "rejection_walk", "rejection_walk"), (engine_module, "cut", "cut"),
+               (RaggedCache, "commit", "kv commit"), (engine, "_commit", "_commit")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def timed(method, label):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - start
+        return run
+
+    for (owner, name, label), (_, _, method) in zip(targets, originals):
+        setattr(owner, name, timed(method, label))
+    try:
+        steps = 0
+        for seed in range(rounds):
+            torch.manual_seed(seed)
+            steps += engine.generate(ids, mask).stats.forwards - 1
+    finally:
+        for owner, name, method in originals:
+            setattr(owner, name, method)
+    parts = ", ".join(f"{label.strip('_')} {1000 * seconds / steps:.2f}" for label, seconds in spent.items())
+    print(f"4 nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
+
+
 def profiles(model, heads, gc, ids, mask) -> None:
     engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9) for n in (0, 2)}
     runs = {"nodes 0": lambda: engines[0].generate(ids, mask), "nodes 2": lambda: engines[2].generate(ids, mask),
@@ -99,14 +142,23 @@ def profiles(model, heads, gc, ids, mask) -> None:
         print(f"== {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
 
 
-def lm_head_products(model, *_) -> None:
+def lm_head_products(model, heads, *_) -> None:
     weight = model.get_output_embeddings().weight.detach()
-    transposed = weight.t().contiguous()
-    for rows in (1, 2, 3, 4, 5, 8):
-        x = torch.randn(rows, weight.shape[1])
-        linear = median_ms(lambda x=x: F.linear(x, weight))
-        copy = median_ms(lambda x=x: x @ transposed)
-        print(f"lm_head, {rows} query rows: F.linear {linear:6.1f} ms, x @ W.T (transposed copy) {copy:6.1f} ms")
+    projections = {"lm_head": weight}
+    if heads.draft_ids is not None:
+        projections[f"draft projection ({len(heads.draft_ids)} rows)"] = weight[heads.draft_ids]
+    for name, w in projections.items():
+        pack_ms = median_ms(lambda w=w: torch.ops.mkldnn._reorder_linear_weight(w, 3), repeats=5, inner=1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 3)
+        transposed = w.t().contiguous() if name == "lm_head" else None
+        print(f"{name}: packing {pack_ms:.1f} ms", flush=True)
+        for rows in (1, 2, 3, 5, 9, 17):
+            x = torch.randn(rows, w.shape[1])
+            line = (f"  {rows:>2} query rows: F.linear {median_ms(lambda x=x, w=w: F.linear(x, w)):6.2f} ms, packed "
+                    f"{median_ms(lambda x=x, p=packed: packed_linear(x, p, None)):6.2f} ms")
+            if transposed is not None:
+                line += f", x @ W.T (transposed copy) {median_ms(lambda x=x, t=transposed: x @ t):6.2f} ms"
+            print(line, flush=True)
 
 
 def gemm_rate(*_) -> None:
@@ -115,8 +167,8 @@ def gemm_rate(*_) -> None:
     print(f"fp32 GEMM 2048^3 at {torch.get_num_threads()} threads: {ms:.1f} ms, {2 * 2048**3 / ms / 1e6:.0f} GFLOP/s")
 
 
-PARTS = {"steps": step_times, "phases": phase_times, "profiles": profiles, "lm_head": lm_head_products,
-         "gemm": gemm_rate}
+PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "profiles": profiles,
+         "lm_head": lm_head_products, "gemm": gemm_rate}
 
 
 def main() -> None:

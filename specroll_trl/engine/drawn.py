@@ -336,6 +336,9 @@ class RejectionOutcome:
 def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms: torch.Tensor) -> RejectionOutcome:
     """Walk each row's drawn tree from the root by recursive rejection sampling.
 
+    The rejection chain runs once over every node that has children, all at once (a chain step per rank, none per
+    depth or node); the walk then only looks up, depth by depth, the chances at the node each row stands on.
+
     Args:
         probs: ``[B, 1+N, V]`` the target's processed distribution at every node.
         uniforms: ``[B, D+2, K]`` fresh uniforms (``D``: the shape's depth); the last row's first samples the next
@@ -344,33 +347,36 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
     shape = draft.shape
     batch, device = probs.shape[0], probs.device
     rows = torch.arange(batch, device=device)
+    width = max((w for _, w, _, _ in shape.levels), default=0)
+    if width:  # the nodes with children, in the order of the heads' q (`draft.slot`)
+        parents = torch.cat([frontier for frontier, _, _, _ in shape.levels]).expand(batch, -1)
+        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, parents, width), fixed)  # [B, F, w], [B, F, V'+1]
     current = torch.zeros(batch, dtype=torch.long, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)
-    final, stop = None, current
+    stop = current
     path = [current]
     alpha_sum = torch.zeros((shape.max_depth, shape.children.shape[1]), dtype=torch.float64, device=device)
     tried = torch.zeros_like(alpha_sum)
-    for d, (_, width, _, _) in enumerate(shape.levels):
-        # only the ranks some node of this depth has: a chain step per (depth, rank) of the shape, none per node
-        kids = shape.children[current, :width]  # [B, w]
-        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, current, width), fixed)
-        hit = (uniforms[:, d, :width] < alpha) & alive[:, None]
+    ranks = torch.arange(width, device=device)
+    for d, (_, w, _, _) in enumerate(shape.levels):
+        kids = shape.children[current, :w]  # [B, w]
+        chance = torch.where(kids >= 0, alpha[rows, draft.slot[current], :w], 0.0)  # a leaf's slot is never read
+        hit = (uniforms[:, d, :w] < chance) & alive[:, None]
         moved = hit.any(1)
         first = hit.int().argmax(1)
-        was_tried = (kids >= 0) & (torch.arange(width, device=device) <= torch.where(moved, first, width)[:, None])
-        was_tried &= alive[:, None]
-        alpha_sum[d, :width] += (alpha.double() * was_tried).sum(0)
-        tried[d, :width] += was_tried.sum(0)
-        stops = alive & ~moved
-        final = residual if final is None else torch.where(stops[:, None], residual, final)
-        stop = torch.where(stops, current, stop)
+        was_tried = (kids >= 0) & (ranks[:w] <= torch.where(moved, first, w)[:, None]) & alive[:, None]
+        alpha_sum[d, :w] += (chance.double() * was_tried).sum(0)
+        tried[d, :w] += was_tried.sum(0)
+        stop = torch.where(alive & ~moved, current, stop)
         current = torch.where(moved, kids[rows, first], current)
         alive = moved
         path.append(torch.where(alive, current, -1))
-    # the rows still walking stand at a leaf of the deepest depth: what they emit is a sample of p there
-    residual = draft.target_at(probs, current)
-    final = residual if final is None else torch.where(alive[:, None], residual, final)
-    stop = torch.where(alive, current, stop)
+    stop = torch.where(alive, current, stop)  # the rows still walking stand at a leaf of the deepest depth
+    # where a row stopped: past its children's rejections, the chain's residual; at a leaf, p itself
+    final = draft.target_at(probs, stop)
+    if width:
+        inner = shape.children[stop, 0] >= 0
+        final = torch.where(inner[:, None], residual[rows, draft.slot[stop]], final)
     next_root = inverse_cdf(final, uniforms[:, -1, 0])
     if draft.vocab is not None:  # the last bucket: a token outside the heads' vocabulary, drawn from p restricted there
         outside = probs[rows, stop].index_fill(-1, draft.vocab, 0.0)

@@ -280,7 +280,8 @@ class VocabProjection:
     """The heads' output projection: the target's ``lm_head`` weight (detached: head training never moves it), or
     only its rows for a draft vocabulary, times ``scale`` (a change of temperature). It reads the weight once, so
     build one per ``generate`` call or training run: the policy's ``lm_head`` moves as it trains. ``linear`` is that
-    weight as a frozen ``nn.Linear`` (``None`` under ZeRO-3), so the engine can choose its kernel (``engine.kernels``)."""
+    weight as a frozen ``nn.Linear`` (``None`` under ZeRO-3), so the engine can choose its kernel
+    (``engine.kernels``)."""
 
     def __init__(self, lm_head: nn.Module, draft_ids: torch.Tensor | None, scale: float = 1.0):
         self.lm_head, self.draft_ids, self.scale, self._inverse = lm_head, draft_ids, scale, None
@@ -289,7 +290,8 @@ class VocabProjection:
         self.linear = None
         if not self.partitioned:
             if draft_ids is not None:
-                weight, bias = weight.index_select(0, draft_ids), None if bias is None else bias.index_select(0, draft_ids)
+                weight = weight.index_select(0, draft_ids)
+                bias = None if bias is None else bias.index_select(0, draft_ids)
             self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
             self.linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
             if bias is not None:

@@ -44,6 +44,17 @@ def median_ms(fn, repeats: int = 9, inner: int = 10) -> float:
     return 1e3 * statistics.median(times)
 
 
+def timed(method, spent: dict, label: str):
+    """``method`` adding its wall time to ``spent[label]`` at each call."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - start
+    return run
+
+
 PHASES = ("_draft", "_verify", "_commit", "_observe_budget", "_retire")
 
 
@@ -71,20 +82,11 @@ def phase_times(model, heads, gc, ids, mask, rounds: int = 4) -> None:
                for name, options in engines.items()}
     spent = {name: dict.fromkeys(PHASES, 0.0) for name in engines}
 
-    def timed(name, method):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[name][method.__name__] += time.perf_counter() - start
-        return run
-
     for engine in engines.values():
         engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
     for name, engine in engines.items():
         for phase in PHASES:
-            setattr(engine, phase, timed(name, getattr(engine, phase)))
+            setattr(engine, phase, timed(getattr(engine, phase), spent[name], phase))
     steps = dict.fromkeys(engines, 0)
     for seed in range(rounds):
         for name, engine in engines.items():
@@ -108,17 +110,8 @@ def drafting_parts(model, heads, gc, ids, mask, rounds: int = 3) -> None:
                (RaggedCache, "commit", "kv commit"), (engine, "_commit", "_commit")]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 
-    def timed(method, label):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[label] += time.perf_counter() - start
-        return run
-
     for (owner, name, label), (_, _, method) in zip(targets, originals):
-        setattr(owner, name, timed(method, label))
+        setattr(owner, name, timed(method, spent, label))
     try:
         steps = 0
         for seed in range(rounds):

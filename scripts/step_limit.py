@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from specroll_trl.engine.kernels import LinearKernels, rows_bucket
+from specroll_trl.engine.attention import grouped_attention
+from specroll_trl.engine.kernels import LinearKernels, rows_bucket, weight_shape
 from specroll_trl.experiments.zoo import load_policy
 
 PREFIX = 200
@@ -102,10 +103,10 @@ def forward_ms(model, split: Split, kernels: LinearKernels, rows: int, k: int, r
     with torch.no_grad(), kernels.active():
         for _ in range(repeats + 1):  # the first of each is a warm-up
             for packed in (False, True):
-                kernels.choice.update({(i, rows_bucket(rows * k)): packed for i in range(len(kernels.modules))})
+                kernels.choice.update({(weight_shape(m), rows_bucket(rows * k)): packed for m in kernels.modules})
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys[:, :, :PREFIX], layer.values[:, :, :PREFIX]
-                with kernels.forward(rows * k):
+                with kernels.forward(rows * k), grouped_attention(model):
                     start = time.perf_counter()
                     model(input_ids=query, position_ids=position, attention_mask=mask, cache=cache, use_cache=True)
                     end = time.perf_counter()

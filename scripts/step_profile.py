@@ -5,6 +5,9 @@
   drawn and a 4-node top-k one;
 * ``drafting``: ms per step of the parts of a 4-node drawn step's draft and commit (the heads' blocks, their vocabulary
   projection, the draw, the rejection walk, the KV commit);
+* ``attention``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the grouped key/value heads read in place
+  (``engine.attention``, what the engine runs) against transformers' own path, which copies them (``repeat_kv``),
+  alternating; the second arm replaces the engine's ``grouped_attention`` by a no-op;
 * ``profiles``: torch.profiler tables of a 0- and a 2-node run and of `generate`;
 * ``lm_head``: the lm_head product and the heads' draft-vocabulary projection alone, `F.linear` against the packed
   kernel (and, for the lm_head, `x @ W.T` with a transposed copy), for 1-17 query rows, and what packing costs;
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -58,7 +62,7 @@ def timed(method, spent: dict, label: str):
 PHASES = ("_draft", "_verify", "_commit", "_observe_budget", "_retire")
 
 
-def step_times(model, heads, gc, ids, mask) -> None:
+def step_times(model, tokenizer, heads, gc, ids, mask) -> None:
     engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9) for n in (0, 2, 4)}
     per_step = {n: [] for n in [*engines, "generate"]}
     for seed in range(4):
@@ -74,7 +78,7 @@ def step_times(model, heads, gc, ids, mask) -> None:
         print(f"{name}: {1000 * statistics.median(seconds):.1f} ms per step", flush=True)
 
 
-def phase_times(model, heads, gc, ids, mask, rounds: int = 4) -> None:
+def phase_times(model, tokenizer, heads, gc, ids, mask, rounds: int = 4) -> None:
     """Each phase's wall time summed over ``rounds`` calls per engine (alternating), per decoding step."""
     engines = {"plain": dict(max_nodes=0), "4 nodes, drawn": dict(max_nodes=4, candidates="drawn"),
                "4 nodes, top-k": dict(max_nodes=4, candidates="top-k")}
@@ -97,7 +101,7 @@ def phase_times(model, heads, gc, ids, mask, rounds: int = 4) -> None:
         print(f"{name}: ms per step: {parts} ({steps[name]} steps)", flush=True)
 
 
-def drafting_parts(model, heads, gc, ids, mask, rounds: int = 3) -> None:
+def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3) -> None:
     """A 4-node drawn step's draft and commit in parts, each function's wall time summed over ``rounds`` calls, per
     step (the parts nest: ``draw_tree`` holds the heads' blocks and projection)."""
     engine = SpeculativeGenerator(model, heads, gc, max_nodes=4, candidates="drawn", capacity=10**9)
@@ -124,7 +128,36 @@ def drafting_parts(model, heads, gc, ids, mask, rounds: int = 3) -> None:
     print(f"4 nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
 
 
-def profiles(model, heads, gc, ids, mask) -> None:
+def attention_paths(model, tokenizer, heads, gc, ids, mask, rounds: int = 5) -> None:
+    """Step ms (the prefill and the call's packing left out) with grouped heads read in place or copied."""
+    paths = {"in place": engine_module.grouped_attention, "copied": lambda model: contextlib.nullcontext()}
+    for batch in (1, 8):
+        ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
+        engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, candidates="drawn", capacity=10**9)
+                   for n in (0, 4, 16)}
+        for engine in engines.values():
+            engine.generate(ids, mask, max_new_tokens=8)  # kernels measured here, untimed
+        per_step = {(n, path): [] for n in engines for path in paths}
+        try:
+            for seed in range(rounds):
+                for n, engine in engines.items():
+                    for path, context in paths.items():
+                        engine_module.grouped_attention = context
+                        start = time.perf_counter()
+                        engines[0].generate(ids, mask, max_new_tokens=1)
+                        prefill = time.perf_counter() - start
+                        torch.manual_seed(seed)
+                        stats = engine.generate(ids, mask).stats
+                        per_step[n, path].append((stats.seconds - prefill - stats.pack_seconds) / (stats.forwards - 1))
+        finally:
+            engine_module.grouped_attention = paths["in place"]
+        for n in engines:
+            in_place, copied = (1e3 * statistics.median(per_step[n, path]) for path in paths)
+            print(f"{batch} row(s), {n:>2} nodes: in place {in_place:6.1f} ms per step, copied {copied:6.1f} ms "
+                  f"({in_place / copied:.3f}x)", flush=True)
+
+
+def profiles(model, tokenizer, heads, gc, ids, mask) -> None:
     engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9) for n in (0, 2)}
     runs = {"nodes 0": lambda: engines[0].generate(ids, mask), "nodes 2": lambda: engines[2].generate(ids, mask),
             "generate": lambda: model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)}
@@ -135,7 +168,7 @@ def profiles(model, heads, gc, ids, mask) -> None:
         print(f"== {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
 
 
-def lm_head_products(model, heads, *_) -> None:
+def lm_head_products(model, tokenizer, heads, *_) -> None:
     weight = model.get_output_embeddings().weight.detach()
     projections = {"lm_head": weight}
     if heads.draft_ids is not None:
@@ -160,7 +193,8 @@ def gemm_rate(*_) -> None:
     print(f"fp32 GEMM 2048^3 at {torch.get_num_threads()} threads: {ms:.1f} ms, {2 * 2048**3 / ms / 1e6:.0f} GFLOP/s")
 
 
-PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "profiles": profiles,
+PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
+         "profiles": profiles,
          "lm_head": lm_head_products, "gemm": gemm_rate}
 
 
@@ -175,7 +209,7 @@ def main() -> None:
     ids, mask = left_pad(bench_prompts(tokenizer, 1), tokenizer.pad_token_id)
     with torch.no_grad():
         for part in args.parts:
-            PARTS[part](model, heads, gc, ids, mask)
+            PARTS[part](model, tokenizer, heads, gc, ids, mask)
 
 
 if __name__ == "__main__":

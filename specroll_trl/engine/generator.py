@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+from .attention import grouped_attention
 from .budget import FixedBudget, NodeBudget, OnlineBudget
 from .compat import any_rank_active, check_model_supported, local_copies, should_sync
 from .drawn import AcceptanceByRank, DrawnDraft, draw_tree, expected_accepted_drawn, rejection_walk
@@ -407,7 +408,7 @@ class SpeculativeGenerator:
         stats = GenerationStats(capacity=self.config.capacity)
         pack_seconds = self.kernels.pack_seconds
         synced = should_sync(self.model, self.config.synced_gpus)
-        with self.kernels.active():
+        with self.kernels.active(), grouped_attention(self.model):
             state = self._prefill(input_ids, attention_mask, target, stats)
             self.kernels.adopt(self.heads)
             if state.projection.linear is not None:

@@ -4,11 +4,11 @@ With a mask and more than one query token, transformers' SDPA path copies every 
 per query head of a group (``repeat_kv``) before calling ``F.scaled_dot_product_attention``, because CUDA's fused
 kernels take no mask with grouped heads. A verification forward always has a mask, so on a policy with grouped-query
 attention (SmolLM2: 9 query heads over 3 key/value heads) every drafted step copied the whole cache twice per layer:
-60 copies a step, 3 ms of a 42 ms step at one row after a 200-token prompt, and more as rows grow
-(``benchmarks/README.md``, "Grouped heads read in place"). On CPU torch's own attention kernel takes the mask with
-grouped heads (``enable_gqa=True``) and returns bitwise the same output, so inside ``grouped_attention(model)`` the
-model's SDPA layers run that call there; everything else (one query token, which transformers already packs; other
-devices; a position bias or a soft cap; eager attention) goes through transformers' own function unchanged.
+60 copies a step, 3-9% of a drafted step's time at one and eight rows (``benchmarks/README.md``, "Grouped key/value
+heads read in place"). On CPU torch's own attention kernel takes the mask with grouped heads (``enable_gqa=True``)
+and returns bitwise the same output, so inside ``grouped_attention(model)`` the model's SDPA layers run that call
+there; everything else (one query token, which transformers already packs; other devices; a position bias or a soft
+cap; eager attention) goes through transformers' own function unchanged.
 
 It is the model's ``config._attn_implementation`` that names the attention function its layers call (and the mask
 function that turns a 2D padding mask into theirs), so both are registered under ``ATTENTION_NAME``, and the engine

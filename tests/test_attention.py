@@ -1,5 +1,5 @@
 """Grouped key/value heads read in place (``engine.attention``): bitwise the same logits as transformers' own SDPA
-path, no ``repeat_kv`` copy in a drafted step, and the model's attention setting restored after every forward.
+path, no ``repeat_kv`` copy in a drafted step, and the model's attention setting restored after every call.
 The exactness proofs (greedy identity, chi-square) run through it in ``test_engine`` and ``test_kernels``."""
 
 from contextlib import nullcontext

@@ -9,10 +9,11 @@ Which is faster depends on the machine, the layer's shape and the row count (on 
 ``lm_head`` wins at every row count, the small decoder matrices lose at one row), so it is measured, never
 assumed, and in place: per weight shape and bucket of query rows, the calls of the layers of that shape inside
 the engine's own forwards alternate the two kernels until each has run ``TRIALS`` times, then the faster (by median,
-by at least ``1 - MIN_GAIN``) computes every later call of every layer of that shape. No forward is spent on
-measuring, and a decoder's repeated layers settle a new bucket within its first forward (measured per layer, every
-layer took six forwards, half of its calls on the slower kernel; a layer with a shape of its own, such as the
-``lm_head``, still does).
+by at least ``1 - MIN_GAIN``) computes every later call of every layer of that shape. A packed call is timed only on
+a copy packed in an earlier forward: one packed just before the call is still in cache, where in steady state the
+copy streams from memory like the weight does, which made the packed kernel look faster than it runs. No forward is
+spent on measuring: a decoder's repeated layers settle a new bucket within its second forward (the first packs the
+layers whose turn is packed), a layer with a shape of its own, such as the ``lm_head``, within ``2 * TRIALS + 1``.
 
 A layer's weight is packed at its first packed call of a generation call and the copy dropped when the call
 ends, so generation always reads the parameters the trainer updated (a weight's version counter is no witness:
@@ -114,10 +115,13 @@ class LinearKernels:
             if packed is not None:
                 return packed_linear(x, self._packed(module), bias) if packed else F.linear(x, weight, bias)
             times = self.trials.setdefault(key, ([], []))
-            packed_weight = self._packed(module) if len(times[1]) < len(times[0]) else None  # F.linear first
+            packed_turn = len(times[1]) < len(times[0])  # F.linear first
+            fresh = packed_turn and module not in self.packed
+            packed_weight = self._packed(module) if packed_turn else None
             start = time.perf_counter()
             out = F.linear(x, weight, bias) if packed_weight is None else packed_linear(x, packed_weight, bias)
-            times[packed_weight is not None].append(time.perf_counter() - start)
+            if not fresh:  # a copy packed just now is read from cache, where every later call reads it from memory
+                times[packed_turn].append(time.perf_counter() - start)
             self.setup_calls += 1
             if len(times[1]) >= TRIALS:
                 self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])

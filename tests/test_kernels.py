@@ -151,7 +151,6 @@ def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow
             with kernels.forward(3):
                 logits(model, ids)
         assert kernels.choice == {(s, 3): slow == "f_linear" for s in shapes_of(kernels)}
-        assert all(map(len, (t for pair in kernels.trials.values() for t in pair)))
         assert {len(t) for pair in kernels.trials.values() for t in pair} == {TRIALS}  # each shape once, not each layer
         calls.clear()
         with kernels.forward(3):
@@ -288,4 +287,4 @@ def test_the_budget_does_not_time_steps_that_pack_or_measure_kernels():
     choose(kernels, True)
     engine.generate(ids, mask)  # choices made: only steps that use a layer first in the call pack it again
     changed = [True] + [a != b for a, b in zip(setup, setup[1:])]
-    assert timed == [not c for c in changed] and sum(timed) > len(timed) / 2
+    assert timed == [not c for c in changed] and not timed[0] and sum(timed) > len(timed) / 2

@@ -163,11 +163,11 @@ def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow
     assert {bucket for _, bucket in kernels.trials} == {2, 3}
 
 
-def test_a_packed_call_is_timed_only_on_a_copy_packed_in_an_earlier_forward(monkeypatch):
+def test_a_packed_forward_is_timed_only_on_copies_packed_in_an_earlier_forward(monkeypatch):
     """A copy packed just before its call is read from cache: timed, the packed kernel looked faster than it runs
     once its copies stream from memory. Here a fresh copy computes at once, ``F.linear`` in 5 ms and a settled copy
-    in 10."""
-    calls, fresh = [], set()
+    in 10: the forward that packed gives no sample."""
+    fresh = set()
     reorder, pointwise = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
 
     def packing(weight, rows):
@@ -176,7 +176,6 @@ def test_a_packed_call_is_timed_only_on_a_copy_packed_in_an_earlier_forward(monk
         return packed
 
     def packed_linear(x, packed, bias):
-        calls.append("packed")
         if id(packed) in fresh:
             fresh.discard(id(packed))
         else:
@@ -186,17 +185,50 @@ def test_a_packed_call_is_timed_only_on_a_copy_packed_in_an_earlier_forward(monk
     monkeypatch.setattr(kernels_mod, "packed_linear", packed_linear)
     monkeypatch.setattr(kernels_mod.torch.ops, "mkldnn",
                         SimpleNamespace(_reorder_linear_weight=packing, _linear_pointwise=pointwise))
-    monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(calls, F.linear, "f_linear", lambda _: 0.005)))
-    model = make_model(layers=6)
+    monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed([], F.linear, "f_linear", lambda _: 0.005)))
+    model = make_model(layers=2)
     kernels = LinearKernels(model)
     with kernels.active():
-        for _ in range(2):
+        for _ in range(2 * TRIALS + 1):
             with kernels.forward(5):
                 logits(model, torch.randint(0, 32, (1, 5)))
-    # a deep decoder's repeated layers settle a new bucket within its second forward
-    decoder_shapes = {weight_shape(m) for m in kernels.modules if m is not model.lm_head}
-    assert {(s, rows_bucket(5)) for s in decoder_shapes} <= set(kernels.choice)
-    assert not any(kernels.choice[s, rows_bucket(5)] for s in decoder_shapes)  # F.linear: the settled copies are slow
+    keys = {(weight_shape(m), rows_bucket(5)) for m in kernels.modules}
+    assert keys == set(kernels.choice) and not any(kernels.choice.values())  # F.linear: the settled copies are slow
+    assert min(min(kernels.trials[key][1]) for key in keys) >= 0.01
+
+
+def test_every_layer_of_a_shape_runs_one_kernel_in_a_forward_while_measured(monkeypatch):
+    """A forward's sample of a kernel is all the calls of a shape in it: alternated call by call, each kernel was
+    timed on other layers and in a cache the other kernel's reads had just disturbed."""
+    last = []
+    monkeypatch.setattr(kernels_mod, "packed_linear", slowed(last, kernels_mod.packed_linear, "packed", lambda _: 0))
+    monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(last, F.linear, "f_linear", lambda _: 0)))
+    model = make_model(layers=4)
+    kernels = LinearKernels(model)
+    used = []
+    for module in kernels.modules:
+        module.register_forward_hook(lambda m, args, out: used[-1].setdefault(weight_shape(m), set()).add(last[-1]))
+    with kernels.active():
+        for _ in range(2 * TRIALS + 1):
+            used.append({})
+            with kernels.forward(3):
+                logits(model, torch.randint(0, 32, (1, 3)))
+    assert kernels.choice.keys() == {(s, 3) for s in shapes_of(kernels)}  # all measured in these forwards
+    assert all(len(kinds) == 1 for forward in used for kinds in forward.values())
+    assert {kind for forward in used for kinds in forward.values() for kind in kinds} == {"packed", "f_linear"}
+
+
+def test_drafting_layers_are_measured_apart_from_the_model_s_of_the_same_shape():
+    """A head's few small weights stay in cache from step to step where a decoder's stream from memory: the same
+    shape is not the same cost."""
+    model = make_model(vocab=48, hidden=32)
+    heads = SpeculativeHeads.from_model(model, num_heads=2, kind="path")
+    engine = SpeculativeGenerator(model, heads, GenerationConfig(max_new_tokens=12, eos_token_id=None, pad_token_id=0),
+                                  max_nodes=3, capacity=64)
+    engine.generate(torch.tensor([[3, 4, 5]]))
+    drafting = {shape[:2] for shape, _ in engine.kernels.trials if shape[2]}
+    model_shapes = {shape[:2] for shape, _ in engine.kernels.trials if not shape[2]}
+    assert drafting & model_shapes  # a head's hidden x hidden layer and the decoder's, measured apart
 
 
 def test_only_plain_float32_cpu_linears_take_part():

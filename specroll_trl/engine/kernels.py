@@ -7,13 +7,17 @@ costs about 1.7x one token's although it reads the same weights (``benchmarks/RE
 weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count.
 Which is faster depends on the machine, the layer's shape and the row count (on these cores the packed
 ``lm_head`` wins at every row count, the small decoder matrices lose at one row), so it is measured, never
-assumed, and in place: per weight shape and bucket of query rows, the calls of the layers of that shape inside
-the engine's own forwards alternate the two kernels until each has run ``TRIALS`` times, then the faster (by median,
-by at least ``1 - MIN_GAIN``) computes every later call of every layer of that shape. A packed call is timed only on
-a copy packed in an earlier forward: one packed just before the call is still in cache, where in steady state the
-copy streams from memory like the weight does, which made the packed kernel look faster than it runs. No forward is
-spent on measuring: a decoder's repeated layers settle a new bucket within its second forward (the first packs the
-layers whose turn is packed), a layer with a shape of its own, such as the ``lm_head``, within ``2 * TRIALS + 1``.
+assumed, and in place: per weight shape and bucket of query rows, the engine's own forwards alternate the two kernels
+until each has run ``TRIALS`` forwards, then the faster (by median, by at least ``1 - MIN_GAIN``) computes every
+later call of every layer of that shape. Within one forward every layer of a shape runs the same kernel and the
+forward's sample is their mean time per call: alternating the kernels call by call inside a forward timed each
+kernel on other layers and in a cache the other kernel's reads had just disturbed, and on a 2-core Xeon picked the
+packed kernel at one row in 4 runs of 4 where, run alone, it is 15-60% slower per call (``benchmarks/README.md``,
+"The kernels' choice, measured forward by forward"). A packed forward counts only when every copy it read was packed
+in an earlier forward: one packed just before its call is still in cache, where in steady state the copy streams
+from memory like the weight does. The drafting side's layers are measured apart from the model's, even where their
+shapes agree: a head's few small weights stay in cache from step to step, a decoder's stream from memory. No
+forward is spent on measuring: a new bucket settles within ``2 * TRIALS + 1`` of the forwards that use it.
 
 A layer's weight is packed at its first packed call of a generation call and the copy dropped when the call
 ends, so generation always reads the parameters the trainer updated (a weight's version counter is no witness:
@@ -37,13 +41,14 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 MAX_PACKED_ROWS = 256  # above this many query rows GEMM's own packing is amortised: F.linear, nothing measured
-TRIALS = 3  # calls per kernel, per weight shape and bucket, before the choice is made
+TRIALS = 3  # forwards per kernel, per weight shape and bucket, before the choice is made
 MIN_GAIN = 0.95  # packed must be 5% faster to be chosen: a tie keeps the model's own kernel (and its rounding)
 
 
@@ -67,9 +72,20 @@ def eligible_linears(module: nn.Module) -> list[nn.Linear]:
     return [m for m in module.modules() if isinstance(m, nn.Linear) and _eligible(m)]
 
 
-def weight_shape(module: nn.Linear) -> tuple[tuple[int, ...], bool]:
-    """What a kernel choice is made for: the weight's shape and whether a bias is added."""
-    return tuple(module.weight.shape), module.bias is not None
+def weight_shape(module: nn.Linear, drafting: bool = False) -> tuple[tuple[int, ...], bool, bool]:
+    """What a kernel choice is made for: the weight's shape, whether a bias is added, and whether the layer drafts
+    (the heads and their vocabulary projection) rather than belongs to the model."""
+    return tuple(module.weight.shape), module.bias is not None, drafting
+
+
+@dataclass
+class Trial:
+    """One shape's measurement in the forward running: its kernel there, and the time and number of its calls."""
+
+    packed: bool
+    seconds: float = 0.0
+    calls: int = 0
+    spoiled: bool = False  # a copy was packed in this forward: it was read from cache
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -87,7 +103,8 @@ class LinearKernels:
         self.modules = eligible_linears(model) if self.enabled else []
         self.adopted: list[nn.Linear] = []  # taking part in the running call only
         self.packed: dict[nn.Linear, torch.Tensor] = {}
-        self.trials: dict[tuple, tuple[list[float], list[float]]] = {}  # (shape, bucket) -> seconds per kernel
+        self.trials: dict[tuple, tuple[list[float], list[float]]] = {}  # (shape, bucket) -> per forward, per kernel
+        self.running_trials: dict[tuple, Trial] = {}  # in the forward running
         self.choice: dict[tuple, bool] = {}  # (shape, bucket) -> packed wins
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.running = False
@@ -104,8 +121,8 @@ class LinearKernels:
             self.setup_calls += 1
         return packed
 
-    def _forward(self, module: nn.Linear):
-        weight, bias, shape = module.weight, module.bias, weight_shape(module)
+    def _forward(self, module: nn.Linear, drafting: bool = False):
+        weight, bias, shape = module.weight, module.bias, weight_shape(module, drafting)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if self.bucket is None or torch.is_grad_enabled():
@@ -114,20 +131,30 @@ class LinearKernels:
             packed = self.choice.get(key)
             if packed is not None:
                 return packed_linear(x, self._packed(module), bias) if packed else F.linear(x, weight, bias)
-            times = self.trials.setdefault(key, ([], []))
-            packed_turn = len(times[1]) < len(times[0])  # F.linear first
-            fresh = packed_turn and module not in self.packed
-            packed_weight = self._packed(module) if packed_turn else None
+            trial = self.running_trials.get(key)
+            if trial is None:
+                times = self.trials.setdefault(key, ([], []))
+                trial = self.running_trials[key] = Trial(packed=len(times[1]) < len(times[0]))  # F.linear first
+            trial.spoiled |= trial.packed and module not in self.packed
+            packed_weight = self._packed(module) if trial.packed else None
             start = time.perf_counter()
             out = F.linear(x, weight, bias) if packed_weight is None else packed_linear(x, packed_weight, bias)
-            if not fresh:  # a copy packed just now is read from cache, where every later call reads it from memory
-                times[packed_turn].append(time.perf_counter() - start)
+            trial.seconds += time.perf_counter() - start
+            trial.calls += 1
             self.setup_calls += 1
-            if len(times[1]) >= TRIALS:
-                self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
             return out
 
         return forward
+
+    def _settle(self) -> None:
+        """Fold the forward's trials into each shape's samples; choose where both kernels have ``TRIALS``."""
+        for key, trial in self.running_trials.items():
+            times = self.trials[key]
+            if not trial.spoiled:
+                times[trial.packed].append(trial.seconds / trial.calls)
+            if min(map(len, times)) >= TRIALS:
+                self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
+        self.running_trials.clear()
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -154,7 +181,7 @@ class LinearKernels:
         too, until the block ends; their choices are kept by shape for later calls."""
         if self.running:
             for linear in eligible_linears(module):
-                linear.forward = self._forward(linear)
+                linear.forward = self._forward(linear, drafting=True)
                 self.adopted.append(linear)
 
     @contextmanager
@@ -167,6 +194,11 @@ class LinearKernels:
         self.bucket = rows_bucket(rows)
         try:
             yield
+        except BaseException:
+            self.running_trials.clear()  # a forward cut short measures nothing
+            raise
+        else:
+            self._settle()
         finally:
             self.bucket = None
 

@@ -5,7 +5,8 @@ Steady state: every linear layer forced to one kernel for whole ``generate`` cal
 times each, alternating), the median time of each shape's calls over the verification forward's rows. Then
 ``--trials`` fresh choices, each made by a new ``LinearKernels`` in one engine call of 48 tokens, as a user's first
 call makes it. ``--compare-with PATH`` alternates those with the choices of another version of ``engine/kernels.py``
-(e.g. ``git show 7a4a495:specroll_trl/engine/kernels.py > /tmp/kernels_old.py``).
+(e.g. ``git show 7a4a495:specroll_trl/engine/kernels.py > /tmp/kernels_old.py``); ``--step-rounds N`` then times N
+alternating rounds of 64 tokens with each version's last choice (ms per step, packing left out).
 
   python scripts/kernel_choice.py --trials 6                       (two threads, quiet machine)
   python scripts/kernel_choice.py --trials 6 --nodes 4 --compare-with /tmp/kernels_old.py
@@ -62,8 +63,9 @@ def steady_state(model, heads, gc, ids, mask, nodes: int, rows: int) -> dict:
     return {s: (1e3 * statistics.median(times[False, s]), 1e3 * statistics.median(times[True, s])) for s in shapes}
 
 
-def choice_of(module, model, heads, gc, ids, mask, nodes: int, rows: int, seed: int) -> dict:
-    """The model's shapes' choice at ``rows`` made by a fresh ``module.LinearKernels`` in one call: shape -> packed."""
+def choice_of(module, model, heads, gc, ids, mask, nodes: int, rows: int, seed: int):
+    """The engine whose fresh ``module.LinearKernels`` made its choice in one call, and the model's shapes' choice
+    at ``rows``: shape -> packed."""
     kernels = module.LinearKernels(model)
     engine_module.kernels_of = lambda m: kernels
     try:
@@ -74,8 +76,19 @@ def choice_of(module, model, heads, gc, ids, mask, nodes: int, rows: int, seed: 
     engine.generate(ids, mask)
     bucket = kernels_module.rows_bucket(rows)
     # this version's keys: (shape, bias, drafting); earlier ones: (shape, bias)
-    return {key[0][0]: packed for key, packed in kernels.choice.items()
-            if key[1] == bucket and not (len(key[0]) > 2 and key[0][2])}
+    return engine, {key[0][0]: packed for key, packed in kernels.choice.items()
+                    if key[1] == bucket and not (len(key[0]) > 2 and key[0][2])}
+
+
+def step_ms(engines: dict, ids, mask, rounds: int) -> dict:
+    """Per engine, ms per step of ``rounds`` calls of 64 tokens, the engines alternating, packing left out."""
+    per_step = {name: [] for name in engines}
+    for round_ in range(rounds):
+        for name, engine in engines.items():
+            torch.manual_seed(100 + round_)
+            stats = engine.generate(ids, mask, max_new_tokens=64).stats
+            per_step[name].append(1e3 * (stats.seconds - stats.pack_seconds) / stats.forwards)
+    return per_step
 
 
 def main() -> None:
@@ -83,6 +96,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--nodes", type=int, default=0, help="draft nodes per step (the forward's rows: nodes + 1)")
     parser.add_argument("--compare-with", default=None, help="another engine/kernels.py, its choices alternated")
+    parser.add_argument("--step-rounds", type=int, default=0, help="then time steps with each version's choice")
     parser.add_argument("--out", default=None, help="JSON of the steady state and every choice")
     args = parser.parse_args()
     model, tokenizer = load_policy("smollm2-135m", progress=False)
@@ -100,23 +114,26 @@ def main() -> None:
         for shape, (f_ms, packed_ms) in sorted(truth.items()):
             print(f"steady state {shape}: F.linear {f_ms:.3f} ms, packed {packed_ms:.3f} ms per call "
                   f"-> {'packed' if packed_ms < f_ms else 'F.linear'}", flush=True)
-        picks = {name: [] for name in rules}
+        picks, engines = {name: [] for name in rules}, {}
         for trial in range(args.trials):
             for name, module in rules.items():
-                choice = choice_of(module, model, heads, gc, ids, mask, args.nodes, rows, trial)
+                engines[name], choice = choice_of(module, model, heads, gc, ids, mask, args.nodes, rows, trial)
                 wrong = [s for s in choice if choice[s] != (truth[s][1] < truth[s][0])]
                 picks[name].append({"choice": {str(s): c for s, c in choice.items()}, "wrong": [str(s) for s in wrong]})
                 print(f"trial {trial} {name}: {len(wrong)} of {len(choice)} shapes on the slower kernel {wrong}",
                       flush=True)
+        steps = step_ms(engines, ids, mask, args.step_rounds) if args.step_rounds else {}
     for name, runs in picks.items():
         wrong = sum(len(r["wrong"]) for r in runs)
         total = sum(len(r["choice"]) for r in runs)
         print(f"{name}: {wrong} of {total} choices on the slower kernel, in {sum(bool(r['wrong']) for r in runs)} "
               f"of {len(runs)} calls")
+    for name, times in steps.items():
+        print(f"{name}: {statistics.median(times):.1f} ms per step, rounds {[round(t, 1) for t in times]}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "steady_state_ms": {str(s): t for s, t in truth.items()}, "picks": picks}, f,
-                      indent=1)
+            json.dump({"rows": rows, "steady_state_ms": {str(s): t for s, t in truth.items()}, "picks": picks,
+                       "step_ms": steps}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ assumed, and in place: per weight shape and bucket of query rows, the engine's o
 until each has run ``TRIALS`` forwards, then the faster (by median, by at least ``1 - MIN_GAIN``) computes every
 later call of every layer of that shape. Within one forward every layer of a shape runs the same kernel and the
 forward's sample is their mean time per call: alternating the kernels call by call inside a forward timed each
-kernel on other layers and in a cache the other kernel's reads had just disturbed, and on a 2-core Xeon picked the
-packed kernel at one row in 4 runs of 4 where, run alone, it is 15-60% slower per call (``benchmarks/README.md``,
-"The kernels' choice, measured forward by forward"). A packed forward counts only when every copy it read was packed
+kernel on other layers and in a cache the other kernel's reads had just disturbed, and on a 2-core Xeon left 4-6 of
+30 choices on the kernel that runs up to 26% slower per call in steady state (``benchmarks/README.md``, "The kernels'
+choice measured forward by forward"). A packed forward counts only when every copy it read was packed
 in an earlier forward: one packed just before its call is still in cache, where in steady state the copy streams
 from memory like the weight does. The drafting side's layers are measured apart from the model's, even where their
 shapes agree: a head's few small weights stay in cache from step to step, a decoder's stream from memory. No

@@ -11,6 +11,9 @@
 * ``profiles``: torch.profiler tables of a 0- and a 2-node run and of `generate`;
 * ``lm_head``: the lm_head product and the heads' draft-vocabulary projection alone, `F.linear` against the packed
   kernel (and, for the lm_head, `x @ W.T` with a transposed copy), for 1-17 query rows, and what packing costs;
+* ``layouts``: the decoder's 210 linears alone at 1-17 query rows in every layout or kernel tried (``F.linear``,
+  transposed products, a matrix-vector product per row, rows in chunks, MKL's packed GEMM, oneDNN's packed kernel
+  with several batch hints);
 * ``gemm``: what these cores compute at best, GFLOP/s of a large fp32 matrix product.
 
   OMP_NUM_THREADS=1 python scripts/step_profile.py     (shares hold under load; milliseconds do not)
@@ -187,6 +190,41 @@ def lm_head_products(model, tokenizer, heads, *_) -> None:
             print(line, flush=True)
 
 
+def decoder_layouts(model, *_) -> None:
+    """The decoder's linears alone (its 210 weights in layer order, so that they stream from memory as in a forward),
+    ms for all of them at 1-17 query rows, in each layout or kernel PyTorch offers on CPU."""
+    weights = [m.weight.detach() for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and ".layers." in name]
+    transposed = [w.t().contiguous() for w in weights]
+    onednn = {hint: [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in weights] for hint in (1, 3, 8)}
+
+    def chunked(x, w, size=3):
+        return torch.cat([F.linear(x[i:i + size], w) for i in range(0, x.shape[0], size)])
+
+    for rows in (1, 3, 5, 9, 17):
+        inputs = {n: torch.randn(rows, n) for n in {w.shape[1] for w in weights}}
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+        layouts = {
+            "F.linear": lambda i, x: F.linear(x, weights[i]),
+            "(W @ x.T).T": lambda i, x: (weights[i] @ x.t()).t(),
+            "x @ Wt (transposed copy)": lambda i, x: x @ transposed[i],
+            "one mv per row": lambda i, x: torch.stack([torch.mv(weights[i], r) for r in x]),
+            "rows in chunks of 3": lambda i, x: chunked(x, weights[i]),
+            "MKL packed for these rows": lambda i, x, m=mkl: torch.ops.mkl._mkl_linear(x, m[i], weights[i], None,
+                                                                                          len(x)),
+            **{f"oneDNN packed, hint {h}": (lambda i, x, h=h: packed_linear(x, onednn[h][i], None)) for h in onednn},
+        }
+        times = {name: [] for name in layouts}
+        for _ in range(6):  # alternating, the first round a warm-up
+            for name, kernel in layouts.items():
+                start = time.perf_counter()
+                for i, w in enumerate(weights):
+                    kernel(i, inputs[w.shape[1]])
+                times[name].append(1e3 * (time.perf_counter() - start))
+        print(f"{rows:>2} rows: " + ", ".join(f"{n} {statistics.median(t[1:]):.1f}" for n, t in times.items()) + " ms",
+              flush=True)
+
+
 def gemm_rate(*_) -> None:
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     ms = median_ms(lambda: a @ b, repeats=7, inner=3)
@@ -195,7 +233,7 @@ def gemm_rate(*_) -> None:
 
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
          "profiles": profiles,
-         "lm_head": lm_head_products, "gemm": gemm_rate}
+         "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 (``{"test": nodeid, "p": ...}``) appended to ``$PVREC_OUT`` (default ``pvalues.jsonl``); it changes nothing else.
 
   PYTHONPATH=scripts:. python -m pytest -q -p pvrec tests/test_engine.py tests/test_drawn.py tests/test_kernels.py \
-      tests/test_generation_options.py tests/test_llama.py tests/test_reflex.py tests/test_attention.py
+      tests/test_generation_options.py tests/test_llama.py tests/test_reflex.py tests/test_smollm.py \
+      tests/test_attention.py
 """
 
 import json

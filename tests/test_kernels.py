@@ -135,8 +135,8 @@ def slowed(calls: list, kernel, name: str, seconds):
 
 @pytest.mark.parametrize("slow", ["packed", "f_linear"])
 def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow):
-    """The calls of a weight shape's layers in a bucket alternate the two kernels until each is timed ``TRIALS``
-    times; the faster is kept from then on by every layer of that shape."""
+    """The forwards in a bucket alternate the two kernels for a weight shape's layers until each has run ``TRIALS``
+    forwards; the faster is kept from then on by every layer of that shape."""
     calls = []
     delay = lambda name: 0.01 if name == slow else 0  # far above either kernel on a loaded machine  # noqa: E731
     monkeypatch.setattr(kernels_mod, "packed_linear", slowed(calls, kernels_mod.packed_linear, "packed", delay))

@@ -242,10 +242,14 @@ class DrawnDraft:
         """The target at ``nodes [B, ...]`` (node indices per row) in the projection's coordinates plus one last
         bucket for its mass outside them (where ``q`` is zero, so the chain only ever rescales it):
         ``[B, ..., V'+1]``."""
-        rows = torch.arange(nodes.shape[0], device=nodes.device).view(-1, *([1] * (nodes.dim() - 1)))
-        p = probs[rows, nodes]
-        if self.vocab is not None:
-            p = p.index_select(-1, self.vocab)
+        if self.vocab is None:
+            rows = torch.arange(nodes.shape[0], device=nodes.device).view(-1, *([1] * (nodes.dim() - 1)))
+            p = probs[rows, nodes]
+        else:  # one gather from the rows' flat distributions: `index_select` along the last axis loops over the
+            # leading ones on CPU (0.44 ms at three nodes against 0.03 for a gather) and `probs[rows, nodes]` copies
+            batch, n, vocab_size = probs.shape
+            at = (nodes[..., None] * vocab_size + self.vocab).reshape(batch, -1)
+            p = probs.reshape(batch, n * vocab_size).gather(1, at).view(*nodes.shape, -1)
         return torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp(min=0)], -1)
 
     def chain_inputs(self, probs: torch.Tensor, nodes: torch.Tensor, width: int | None = None):

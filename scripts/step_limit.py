@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from specroll_trl.engine.attention import grouped_attention
-from specroll_trl.engine.kernels import LinearKernels, rows_bucket, weight_shape
+from specroll_trl.engine.kernels import LinearKernels, rows_bucket, siblings_shape
 from specroll_trl.experiments.zoo import load_policy
 
 PREFIX = 200
@@ -103,7 +103,9 @@ def forward_ms(model, split: Split, kernels: LinearKernels, rows: int, k: int, r
     with torch.no_grad(), kernels.active():
         for _ in range(repeats + 1):  # the first of each is a warm-up
             for packed in (False, True):
-                kernels.choice.update({(weight_shape(m), rows_bucket(rows * k)): packed for m in kernels.modules})
+                # siblings (learnt in the warm-up forward) packed as one product, as the engine runs them
+                kernels.choice.update({(siblings_shape(unit), rows_bucket(rows * k)): packed
+                                       for unit in kernels.units()})
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys[:, :, :PREFIX], layer.values[:, :, :PREFIX]
                 with kernels.forward(rows * k), grouped_attention(model):

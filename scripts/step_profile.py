@@ -8,6 +8,9 @@
 * ``attention``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the grouped key/value heads read in place
   (``engine.attention``, what the engine runs) against transformers' own path, which copies them (``repeat_kv``),
   alternating; the second arm replaces the engine's ``grouped_attention`` by a no-op;
+* ``siblings``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the layers that read one input (query, key
+  and value; gate and up) packed as one product (what the engine runs) against every layer alone, alternating; then
+  the decoder's linears alone in both layouts, ``F.linear`` and packed, at 1-17 rows;
 * ``profiles``: torch.profiler tables of a 0- and a 2-node run and of `generate`;
 * ``lm_head``: the lm_head product and the heads' draft-vocabulary projection alone, `F.linear` against the packed
   kernel (and, for the lm_head, `x @ W.T` with a transposed copy), for 1-17 query rows, and what packing costs;
@@ -35,7 +38,7 @@ from specroll_trl.adapt.samples import left_pad
 from specroll_trl.engine import SpeculativeGenerator
 from specroll_trl.engine import generator as engine_module
 from specroll_trl.engine.heads import SpeculativeHeads, VocabProjection
-from specroll_trl.engine.kernels import packed_linear
+from specroll_trl.engine.kernels import kernels_of, packed_linear
 from specroll_trl.engine.kvcache import RaggedCache
 from specroll_trl.experiments.heads_bench import bench_prompts
 from specroll_trl.experiments.zoo import load_heads, load_policy, trl_generation_config
@@ -131,33 +134,72 @@ def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3) -> N
     print(f"4 nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
 
 
-def attention_paths(model, tokenizer, heads, gc, ids, mask, rounds: int = 5) -> None:
-    """Step ms (the prefill and the call's packing left out) with grouped heads read in place or copied."""
-    paths = {"in place": engine_module.grouped_attention, "copied": lambda model: contextlib.nullcontext()}
+def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, warmup: int = 32) -> None:
+    """Step ms (the prefill and the call's packing left out) at 0 / 4 / 16 drawn nodes and 1 / 8 rows, the two
+    ``arms`` (label -> a function that sets the engine up that way) alternating call by call."""
+    (first, set_first), (second, _) = arms.items()
     for batch in (1, 8):
         ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
         engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, candidates="drawn", capacity=10**9)
                    for n in (0, 4, 16)}
         for engine in engines.values():
-            engine.generate(ids, mask, max_new_tokens=8)  # kernels measured here, untimed
-        per_step = {(n, path): [] for n in engines for path in paths}
+            for set_arm in arms.values():
+                set_arm()
+                engine.generate(ids, mask, max_new_tokens=warmup)  # kernels measured here, untimed
+        per_step = {(n, label): [] for n in engines for label in arms}
         try:
             for seed in range(rounds):
                 for n, engine in engines.items():
-                    for path, context in paths.items():
-                        engine_module.grouped_attention = context
+                    for label, set_arm in arms.items():
+                        set_arm()
                         start = time.perf_counter()
                         engines[0].generate(ids, mask, max_new_tokens=1)
                         prefill = time.perf_counter() - start
                         torch.manual_seed(seed)
                         stats = engine.generate(ids, mask).stats
-                        per_step[n, path].append((stats.seconds - prefill - stats.pack_seconds) / (stats.forwards - 1))
+                        per_step[n, label].append((stats.seconds - prefill - stats.pack_seconds) / (stats.forwards - 1))
         finally:
-            engine_module.grouped_attention = paths["in place"]
+            set_first()
         for n in engines:
-            in_place, copied = (1e3 * statistics.median(per_step[n, path]) for path in paths)
-            print(f"{batch} row(s), {n:>2} nodes: in place {in_place:6.1f} ms per step, copied {copied:6.1f} ms "
-                  f"({in_place / copied:.3f}x)", flush=True)
+            a, b = (1e3 * statistics.median(per_step[n, label]) for label in arms)
+            print(f"{batch} row(s), {n:>2} nodes: {first} {a:6.1f} ms per step, {second} {b:6.1f} ms ({a / b:.3f}x)",
+                  flush=True)
+
+
+def attention_paths(model, tokenizer, heads, gc, ids, mask) -> None:
+    """The grouped key/value heads read in place (what the engine runs) against copied (transformers' path)."""
+    in_place = engine_module.grouped_attention
+    paired_steps(model, tokenizer, heads, gc, {
+        "in place": lambda: setattr(engine_module, "grouped_attention", in_place),
+        "copied": lambda: setattr(engine_module, "grouped_attention", lambda model: contextlib.nullcontext())})
+
+
+def sibling_products(model, tokenizer, heads, gc, ids, mask) -> None:
+    """Siblings in one packed product (what the engine runs) against every layer alone, each arm's kernels chosen by
+    its own measurements; then the decoder's linears alone in both layouts at 1-17 rows."""
+    kernels = kernels_of(model)
+    SpeculativeGenerator(model, heads, gc).generate(ids, mask, max_new_tokens=2)  # learns the siblings
+    learnt = kernels.siblings
+    paired_steps(model, tokenizer, heads, gc, {"together": lambda: setattr(kernels, "siblings", learnt),
+                                               "alone": lambda: setattr(kernels, "siblings", {})})
+    lm_head = model.get_output_embeddings()
+    alone = [m.weight.detach() for m in kernels.modules if m is not lm_head]
+    together = [torch.cat([m.weight.detach() for m in unit]) for unit in kernels.units() if unit[0] is not lm_head]
+    packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 3) for w in alone + together}
+    layouts = {"F.linear alone": (alone, False), "F.linear together": (together, False),
+               "packed alone": (alone, True), "packed together": (together, True)}
+    for rows in range(1, 18):
+        inputs = {n: torch.randn(rows, n) for n in {w.shape[1] for w in alone}}
+        times = {name: [] for name in layouts}
+        for _ in range(12):  # alternating, the first two rounds a warm-up
+            for name, (weights, pack) in layouts.items():
+                start = time.perf_counter()
+                for w in weights:
+                    x = inputs[w.shape[1]]
+                    packed_linear(x, packed[id(w)], None) if pack else F.linear(x, w)
+                times[name].append(1e3 * (time.perf_counter() - start))
+        print(f"{rows:>2} rows: " + ", ".join(f"{n} {statistics.median(t[2:]):.1f}" for n, t in times.items()) + " ms",
+              flush=True)
 
 
 def profiles(model, tokenizer, heads, gc, ids, mask) -> None:
@@ -232,7 +274,7 @@ def gemm_rate(*_) -> None:
 
 
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
-         "profiles": profiles,
+         "siblings": sibling_products, "profiles": profiles,
          "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
 
 

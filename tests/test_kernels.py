@@ -19,7 +19,7 @@ from specroll_trl.engine.kernels import (
     kernels_of,
     packed_kernel_available,
     rows_bucket,
-    weight_shape,
+    siblings_shape,
 )
 
 from .conftest import left_padded, make_model
@@ -55,7 +55,16 @@ def choose(kernels: LinearKernels, packed: bool, rows=None) -> None:
 
 
 def shapes_of(kernels: LinearKernels) -> set:
-    return {weight_shape(m) for m in kernels.modules}
+    return {siblings_shape(unit) for unit in kernels.units()}
+
+
+def learnt(model) -> LinearKernels:
+    """The model's kernels once a forward (a prefill's, outside any ``forward(rows)`` block) showed its siblings."""
+    kernels = LinearKernels(model)
+    with kernels.active():
+        logits(model, torch.tensor([[1, 2, 3]]))
+    assert kernels.siblings and len(kernels.units()) < len(kernels.modules)
+    return kernels
 
 
 def force_packed(monkeypatch, model) -> LinearKernels:
@@ -75,7 +84,7 @@ def test_packed_forward_matches_f_linear_and_restores_the_modules():
     model = make_model(vocab=64, hidden=64)
     ids = torch.randint(0, 64, (2, 7))
     reference = logits(model, ids)
-    kernels = LinearKernels(model)
+    kernels = learnt(model)
     assert len(kernels.modules) == len([m for m in model.modules() if isinstance(m, nn.Linear)])
     choose(kernels, True, [14])
     with kernels.active(), kernels.forward(14):
@@ -88,10 +97,56 @@ def test_packed_forward_matches_f_linear_and_restores_the_modules():
     assert all("forward" not in m.__dict__ for m in kernels.modules) and kernels.bucket is None
 
 
+def test_siblings_are_the_layers_a_forward_calls_on_one_input():
+    """Query, key and value projections, and an MLP's gate and up projections, read the same tensor: each set is
+    computed as one product over their stacked weights when packed; the rest stay alone."""
+    model = make_model(layers=2)
+    kernels = learnt(model)
+    expected = [(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in model.model.layers)]
+    expected += [(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in model.model.layers]
+    assert set(kernels.siblings.values()) == set(expected)
+    assert len(kernels.units()) == len(kernels.modules) - 2 * 3  # per layer 7 layers in 4 products
+
+
+class TwoReaders(nn.Module):
+    """Two linears on one input, unless told to give the second another input or to change the input in place
+    between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 5), nn.Linear(8, 3, bias=False)
+        self.other_input = self.in_place = False
+
+    def forward(self, x):
+        first = self.a(x)
+        if self.in_place:
+            x.mul_(2)
+        return first, self.b(x + 1 if self.other_input else x)
+
+
+@pytest.mark.parametrize("change", ["other_input", "in_place"])
+def test_a_sibling_that_does_not_read_its_first_sibling_s_input_computes_alone(change):
+    module = TwoReaders()
+    kernels = LinearKernels(module)
+    x = torch.randn(5, 8)
+    with torch.no_grad(), kernels.active():
+        module(x)
+    assert kernels.siblings == {module.a: (module.a, module.b), module.b: (module.a, module.b)}
+    choose(kernels, True)
+    with torch.no_grad(), kernels.active(), kernels.forward(5):
+        together = module(x.clone())
+        setattr(module, change, True)
+        apart = module(x.clone())
+    expected = x * 2 if change == "in_place" else x + 1
+    torch.testing.assert_close(together[1], F.linear(x, module.b.weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apart[1], F.linear(expected, module.b.weight), rtol=1e-5, atol=1e-5)
+    assert kernels.stash == {}
+
+
 def test_weights_changed_through_data_are_repacked():
     model = make_model(vocab=48, hidden=32)
     ids = torch.randint(0, 48, (1, 5))
-    kernels = LinearKernels(model)
+    kernels = learnt(model)
     choose(kernels, True, [5])
     with kernels.active(), kernels.forward(5):
         logits(model, ids)
@@ -107,7 +162,7 @@ def test_weights_changed_through_data_are_repacked():
 
 def test_only_layers_that_run_packed_are_packed_and_only_during_the_call(monkeypatch):
     model = make_model(vocab=48, hidden=32)
-    kernels = LinearKernels(model)
+    kernels = learnt(model)
     choose(kernels, False)
     choose(kernels, True, [5])
     packing = []
@@ -120,7 +175,7 @@ def test_only_layers_that_run_packed_are_packed_and_only_during_the_call(monkeyp
         with kernels.forward(5):
             logits(model, torch.randint(0, 48, (1, 5)))
             logits(model, torch.randint(0, 48, (1, 5)))
-        assert len(packing) == len(kernels.modules) == len(kernels.packed)  # once per layer per call
+        assert len(packing) == len(kernels.units()) == len(kernels.packed)  # once per layer or siblings per call
     assert kernels.packed == {}  # dropped: no second copy while the trainer trains
 
 
@@ -143,9 +198,9 @@ def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(calls, F.linear, "f_linear", delay)))
     model = make_model()
     ids = torch.randint(0, 32, (1, 3))
-    kernels = LinearKernels(model)
+    kernels = learnt(model)
     layers, shapes = len(kernels.modules), len(shapes_of(kernels))
-    assert shapes < layers  # the two decoder layers share their shapes
+    assert shapes < len(kernels.units()) < layers  # the two decoder layers share their shapes
     with kernels.active():
         for _ in range(2 * TRIALS + 1):
             with kernels.forward(3):
@@ -155,7 +210,8 @@ def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow
         calls.clear()
         with kernels.forward(3):
             logits(model, ids)
-        assert calls == ["packed" if slow == "f_linear" else "f_linear"] * layers
+        # packed: one product per layer alone or siblings together
+        assert calls == (["packed"] * len(kernels.units()) if slow == "f_linear" else ["f_linear"] * layers)
         with kernels.forward(2):  # another bucket: measured anew
             logits(model, ids[:, :2])
         with kernels.forward(10**6):  # past MAX_PACKED_ROWS: F.linear, nothing measured
@@ -166,7 +222,7 @@ def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow
 def test_a_packed_forward_is_timed_only_on_copies_packed_in_an_earlier_forward(monkeypatch):
     """A copy packed just before its call is read from cache: timed, the packed kernel looked faster than it runs
     once its copies stream from memory. Here a fresh copy computes at once, ``F.linear`` in 5 ms and a settled copy
-    in 10: the forward that packed gives no sample."""
+    in 20 (more than three siblings' ``F.linear``): the forward that packed gives no sample."""
     fresh = set()
     reorder, pointwise = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
 
@@ -179,7 +235,7 @@ def test_a_packed_forward_is_timed_only_on_copies_packed_in_an_earlier_forward(m
         if id(packed) in fresh:
             fresh.discard(id(packed))
         else:
-            time.sleep(0.01)
+            time.sleep(0.02)
         return pointwise(x, packed, bias, "none", [], "")
 
     monkeypatch.setattr(kernels_mod, "packed_linear", packed_linear)
@@ -187,14 +243,14 @@ def test_a_packed_forward_is_timed_only_on_copies_packed_in_an_earlier_forward(m
                         SimpleNamespace(_reorder_linear_weight=packing, _linear_pointwise=pointwise))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed([], F.linear, "f_linear", lambda _: 0.005)))
     model = make_model(layers=2)
-    kernels = LinearKernels(model)
+    kernels = learnt(model)
     with kernels.active():
         for _ in range(2 * TRIALS + 1):
             with kernels.forward(5):
                 logits(model, torch.randint(0, 32, (1, 5)))
-    keys = {(weight_shape(m), rows_bucket(5)) for m in kernels.modules}
+    keys = {(shape, rows_bucket(5)) for shape in shapes_of(kernels)}
     assert keys == set(kernels.choice) and not any(kernels.choice.values())  # F.linear: the settled copies are slow
-    assert min(min(kernels.trials[key][1]) for key in keys) >= 0.01
+    assert min(min(kernels.trials[key][1]) for key in keys) >= 0.02
 
 
 def test_every_layer_of_a_shape_runs_one_kernel_in_a_forward_while_measured(monkeypatch):
@@ -204,10 +260,11 @@ def test_every_layer_of_a_shape_runs_one_kernel_in_a_forward_while_measured(monk
     monkeypatch.setattr(kernels_mod, "packed_linear", slowed(last, kernels_mod.packed_linear, "packed", lambda _: 0))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(last, F.linear, "f_linear", lambda _: 0)))
     model = make_model(layers=4)
-    kernels = LinearKernels(model)
+    kernels = learnt(model)
     used = []
     for module in kernels.modules:
-        module.register_forward_hook(lambda m, args, out: used[-1].setdefault(weight_shape(m), set()).add(last[-1]))
+        unit = siblings_shape(kernels.siblings.get(module, (module,)))
+        module.register_forward_hook(lambda m, args, out, unit=unit: used[-1].setdefault(unit, set()).add(last[-1]))
     with kernels.active():
         for _ in range(2 * TRIALS + 1):
             used.append({})
@@ -251,7 +308,7 @@ def test_the_heads_and_their_draft_projection_take_part_for_one_call_only(monkey
     choose(engine.kernels, True)
     packed = []
     pack = LinearKernels._packed
-    monkeypatch.setattr(LinearKernels, "_packed", lambda self, m: packed.append(m) or pack(self, m))
+    monkeypatch.setattr(LinearKernels, "_packed", lambda self, unit: packed.extend(unit) or pack(self, unit))
     engine.generate(torch.tensor([[3, 4, 5]]))
     head_linears = [m for m in heads.modules() if isinstance(m, nn.Linear)]
     drafting = [m for m in set(packed) if not any(m is n for n in model.modules())]
@@ -270,6 +327,24 @@ def test_greedy_identity_with_every_forward_packed(monkeypatch):
     out = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=6).generate(ids, mask)
     assert out.completion_ids == generate_reference(model, ids, mask, gc)
     assert kernels_of(model).trials == {}  # nothing measured: every forward ran packed
+    assert len(kernels_of(model).units()) < len(kernels_of(model).modules)  # siblings in one product
+
+
+def test_greedy_identity_with_every_forward_packed_on_a_lora_policy(monkeypatch):
+    """A PEFT LoRA layer's base linear and its ``lora_A`` read the same input: siblings across the adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_model(vocab=40, scale=4.0, seed=3)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    model = get_peft_model(base, config).eval().base_model.model
+    kernels = force_packed(monkeypatch, model)
+    heads = noisy_heads(model, std=0.3, kind="path")
+    ids, mask = left_padded([[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]])
+    gc = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=1, pad_token_id=0)
+    out = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=6).generate(ids, mask)
+    assert out.completion_ids == generate_reference(model, ids, mask, gc)
+    lora_a = [m for name, m in model.named_modules() if name.endswith("lora_A.default")]
+    assert all(len(kernels.siblings.get(m, ())) > 1 for m in lora_a)
 
 
 @pytest.mark.parametrize("rule", ["top-k", "drawn"])
@@ -279,7 +354,7 @@ def test_sampling_is_exact_with_every_forward_packed(monkeypatch, rule):
     heads = noisy_heads(model, std=0.5, kind="path", num_heads=2)
     gc = GenerationConfig(do_sample=True, temperature=0.9, top_k=4, max_new_tokens=3, eos_token_id=1, pad_token_id=0)
     samples, stats = engine_samples(model, heads, gc, n_per_prompt=4000, seed=2, candidates=rule)
-    assert stats.drafted_row_steps > 0
+    assert stats.drafted_row_steps > 0 and len(kernels_of(model).units()) < len(kernels_of(model).modules)
     for prompt, rows in zip(PROMPTS, samples):
         assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
 

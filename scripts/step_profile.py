@@ -8,6 +8,8 @@
 * ``attention``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the grouped key/value heads read in place
   (``engine.attention``, what the engine runs) against transformers' own path, which copies them (``repeat_kv``),
   alternating; the second arm replaces the engine's ``grouped_attention`` by a no-op;
+* ``cache``: ms per step at 0 / 4 draft nodes and 1 / 8 / 32 rows with cache layers that append in place
+  (``engine.kvcache.RoomyLayer``, what the engine runs) against transformers' ``DynamicLayer``, alternating;
 * ``siblings``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the layers that read one input (query, key
   and value; gate and up) packed as one product (what the engine runs) against every layer alone, alternating; then
   the decoder's linears alone in both layouts, ``F.linear`` and packed, at 1-17 rows;
@@ -33,6 +35,7 @@ import time
 import torch
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
+from transformers import DynamicCache
 
 from specroll_trl.adapt.samples import left_pad
 from specroll_trl.engine import SpeculativeGenerator
@@ -134,14 +137,15 @@ def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3) -> N
     print(f"4 nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
 
 
-def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, warmup: int = 32) -> None:
-    """Step ms (the prefill and the call's packing left out) at 0 / 4 / 16 drawn nodes and 1 / 8 rows, the two
+def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, warmup: int = 32, batches=(1, 8),
+                 nodes=(0, 4, 16)) -> None:
+    """Step ms (the prefill and the call's packing left out) at each number of drawn ``nodes`` and of rows, the two
     ``arms`` (label -> a function that sets the engine up that way) alternating call by call."""
     (first, set_first), (second, _) = arms.items()
-    for batch in (1, 8):
+    for batch in batches:
         ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
         engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, candidates="drawn", capacity=10**9)
-                   for n in (0, 4, 16)}
+                   for n in nodes}
         for engine in engines.values():
             for set_arm in arms.values():
                 set_arm()
@@ -172,6 +176,16 @@ def attention_paths(model, tokenizer, heads, gc, ids, mask) -> None:
     paired_steps(model, tokenizer, heads, gc, {
         "in place": lambda: setattr(engine_module, "grouped_attention", in_place),
         "copied": lambda: setattr(engine_module, "grouped_attention", lambda model: contextlib.nullcontext())})
+
+
+def cache_layers(model, tokenizer, heads, gc, ids, mask) -> None:
+    """Cache layers that append in place (``RoomyLayer``, what the engine runs) against transformers' ``DynamicLayer``,
+    which concatenates (copies every layer's whole cache at every step)."""
+    roomy = engine_module.roomy_cache
+    paired_steps(model, tokenizer, heads, gc, {
+        "in place": lambda: setattr(engine_module, "roomy_cache", roomy),
+        "concatenated": lambda: setattr(engine_module, "roomy_cache", lambda config: DynamicCache(config=config))},
+        batches=(1, 8, 32), nodes=(0, 4))
 
 
 def sibling_products(model, tokenizer, heads, gc, ids, mask) -> None:
@@ -274,7 +288,7 @@ def gemm_rate(*_) -> None:
 
 
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
-         "siblings": sibling_products, "profiles": profiles,
+         "cache": cache_layers, "siblings": sibling_products, "profiles": profiles,
          "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
 
 

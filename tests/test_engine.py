@@ -13,7 +13,7 @@ from specroll_trl.engine.budget import node_budget
 from specroll_trl.engine.compat import check_model_supported
 from specroll_trl.engine.generator import SpeculativeConfig, SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
-from specroll_trl.engine.kvcache import RaggedCache
+from specroll_trl.engine.kvcache import RaggedCache, RoomyLayer, roomy_cache
 from specroll_trl.engine.tree import DraftTree, PathTable, grow_tree, select_tree
 from specroll_trl.experiments.zoo import task_prompt_ids
 
@@ -281,6 +281,36 @@ def test_tree_forward_logits_equal_incremental_decoding():
             torch.testing.assert_close(logits[b, v], ref, atol=1e-4, rtol=1e-4)
 
 
+def test_roomy_layers_append_in_place_and_give_the_same_logits_bitwise():
+    """A ``DynamicLayer`` copies its whole cache at every step (``torch.cat``); a ``RoomyLayer`` writes the step's
+    slots into room it keeps, and whatever replaced its tensors (rows leaving) is copied once."""
+    model = make_model(vocab=50, seed=4)
+    ids, mask = left_padded([[3, 4, 5, 6], [7, 8], [9, 10, 11]])
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    caches = {"dynamic": DynamicCache(config=model.config), "roomy": roomy_cache(model.config, room=8)}
+    runs = {name: [model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
+            for name, cache in caches.items()}
+    buffer = caches["roomy"].layers[0].buffers[0]
+    assert isinstance(caches["roomy"].layers[0], RoomyLayer) and buffer.shape[2] == 4 + 8
+    appended = 0
+    for query in map(torch.tensor, [[[12], [13], [14]], [[15, 16], [17, 18], [19, 20]], [[21], [22], [23]]]):
+        step_mask = torch.cat([mask, torch.ones(3, appended + query.shape[1], dtype=mask.dtype)], 1)
+        position = pos[:, -1:] + 1 + appended + torch.arange(query.shape[1])
+        for name, cache in caches.items():
+            runs[name].append(model(input_ids=query, attention_mask=step_mask, position_ids=position, cache=cache,
+                                    use_cache=True).logits)
+        appended += query.shape[1]
+    assert all(torch.equal(a, b) for a, b in zip(*runs.values()))
+    assert caches["roomy"].layers[0].buffers[0] is buffer  # 4 slots appended into the room of 8: no new buffer
+    for cache in caches.values():  # a row leaves: the tensors are replaced, then appended to again
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[[0, 2]], layer.values[[0, 2]]
+    outs = [model(input_ids=torch.tensor([[24], [25]]), attention_mask=torch.ones(2, 9, dtype=torch.long),
+                  position_ids=torch.tensor([[8], [8]]), cache=cache, use_cache=True).logits
+            for cache in caches.values()]
+    assert torch.equal(*outs) and caches["roomy"].layers[0].buffers[0] is not buffer  # copied once, with room
+
+
 def test_tree_is_closed_under_parent_and_best_first():
     torch.manual_seed(1)
     topk_logp, topk_ids = torch.randn(5, 4, 30).log_softmax(-1).topk(4, dim=-1)
@@ -299,12 +329,13 @@ def test_tree_is_closed_under_parent_and_best_first():
     assert torch.equal(single.tokens[:, 1], topk_ids[:, 0, 0])
 
 
-def test_ragged_cache_after_many_steps_equals_fresh_prefill():
+@pytest.mark.parametrize("layers", ["dynamic", "roomy"])
+def test_ragged_cache_after_many_steps_equals_fresh_prefill(layers):
     model = make_model(vocab=50, seed=6)
     gen = torch.Generator().manual_seed(0)
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]]
     ids, mask = left_padded(prompts)
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if layers == "dynamic" else roomy_cache(model.config, room=4)
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
     kv = RaggedCache(cache, mask.bool(), mask.sum(1), compact_ratio=0.05)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig
 
 from .attention import grouped_attention
 from .budget import FixedBudget, NodeBudget, OnlineBudget
@@ -31,7 +31,7 @@ from .drawn import AcceptanceByRank, DrawnDraft, draw_tree, expected_accepted_dr
 from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import DraftSlots, GenerationContext, StepFeedback, StepHook
 from .kernels import LinearKernels, kernels_of
-from .kvcache import RaggedCache
+from .kvcache import RaggedCache, roomy_cache
 from .tree import DraftTree, GrownTree, PathTable, grow_tree, select_tree
 from .verify import (
     Emission,
@@ -437,7 +437,7 @@ class SpeculativeGenerator:
         if self.table is not None and self.table.depth.device != device:
             self.table = self.table.to(device)
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        cache = DynamicCache(config=self.model.config)
+        cache = roomy_cache(self.model.config)
         with final_hidden_of(self.lm_head) as final:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, use_cache=True, logits_to_keep=1)

@@ -5,12 +5,58 @@ are gathered to sit right after the physical end of the cache; rows that accepte
 holes. ``valid [B, S]`` says which physical slots hold a row's committed tokens; positions are always
 logical (``lengths``), never physical. Holes are squeezed out when they grow, and finished rows leave.
 Only the public ``keys``/``values`` tensors of each cache layer are touched.
+
+``roomy_cache`` builds the ``DynamicCache`` with layers that keep room after their slots (``RoomyLayer``): a
+``DynamicLayer`` appends a step's slots by concatenation, which copies every layer's whole cache at every step.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class RoomyLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose ``keys`` and ``values`` are views of buffers with room after them (at least ``room``
+    slots, or a quarter of their length: the memory held beyond ``DynamicLayer``'s stays within that share): a step's
+    slots are written in place. Whoever replaces ``keys`` or ``values`` by another tensor (a compaction, rows
+    leaving) costs one copy into a new buffer at the next update; narrowing them to a prefix keeps the buffer."""
+
+    def __init__(self, room: int = 64, **kwargs):
+        super().__init__(**kwargs)
+        self.room = room
+        self.buffers: list[torch.Tensor | None] = [None, None]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = self._append(0, self.keys, key_states)
+        self.values = self._append(1, self.values, value_states)
+        return self.keys, self.values
+
+    def _append(self, which: int, held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        length = held.shape[-2] if held.dim() == 4 else 0
+        end = length + new.shape[-2]
+        buffer = self.buffers[which]
+        in_place = (buffer is not None and held.dim() == 4 and held.data_ptr() == buffer.data_ptr()
+                    and held.shape[:2] == buffer.shape[:2] and held.stride() == buffer.stride()
+                    and end <= buffer.shape[2])
+        if not in_place:
+            buffer = self.buffers[which] = new.new_empty((*new.shape[:2], end + max(self.room, end // 4),
+                                                          new.shape[3]))
+            if length:
+                buffer[:, :, :length] = held
+        buffer[:, :, length:end] = new
+        return buffer[:, :, :end]
+
+
+def roomy_cache(config, room: int = 64) -> DynamicCache:
+    """``DynamicCache(config=config)`` with each plain ``DynamicLayer`` a ``RoomyLayer(room)`` (sliding-window and
+    other layers as they are)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [RoomyLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 class RaggedCache:

@@ -137,24 +137,25 @@ def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3) -> N
     print(f"4 nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
 
 
-def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, warmup: int = 32, batches=(1, 8),
-                 nodes=(0, 4, 16)) -> None:
+def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, batches=(1, 8), nodes=(0, 4, 16)) -> None:
     """Step ms (the prefill and the call's packing left out) at each number of drawn ``nodes`` and of rows, the two
-    ``arms`` (label -> a function that sets the engine up that way) alternating call by call."""
+    ``arms`` (label -> a function that sets the engine up that way) alternating call by call, which goes first
+    alternating round by round."""
     (first, set_first), (second, _) = arms.items()
     for batch in batches:
         ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
         engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, candidates="drawn", capacity=10**9)
                    for n in nodes}
         for engine in engines.values():
-            for set_arm in arms.values():
-                set_arm()
-                engine.generate(ids, mask, max_new_tokens=warmup)  # kernels measured here, untimed
+            for set_arm in arms.values():  # kernels measured here, untimed: in the timed calls, whichever arm met a
+                set_arm()  # new bucket of rows first paid for measuring the kernels the arms share
+                torch.manual_seed(0)
+                engine.generate(ids, mask)
         per_step = {(n, label): [] for n in engines for label in arms}
         try:
             for seed in range(rounds):
                 for n, engine in engines.items():
-                    for label, set_arm in arms.items():
+                    for label, set_arm in list(arms.items())[::1 if seed % 2 == 0 else -1]:
                         set_arm()
                         start = time.perf_counter()
                         engines[0].generate(ids, mask, max_new_tokens=1)

@@ -24,7 +24,7 @@ MLP's gate and up projections: *siblings*, learnt from the calls of the first fo
 engine's prefill) are one unit of the choice: packed, their weights are stacked into one matrix and computed as one
 product, whose slices the later siblings return when they are called on that very tensor (same object, same version;
 otherwise one computes alone); ``F.linear`` computes each as the model does. On a 2-core Xeon the 210 decoder
-linears of SmolLM2 ran packed in one product per set of siblings 8-12% faster than packed one by one at 1-17 rows
+linears of SmolLM2 ran packed in one product per set of siblings 5-15% faster than packed one by one at 1-17 rows
 (``benchmarks/README.md``, "Siblings in one product").
 
 A layer's weight is packed at its first packed call of a generation call and the copy dropped when the call

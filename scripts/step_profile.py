@@ -23,6 +23,7 @@
 
   OMP_NUM_THREADS=1 python scripts/step_profile.py     (shares hold under load; milliseconds do not)
   python scripts/step_profile.py --parts phases gemm  (two threads, quiet machine)
+  python scripts/step_profile.py --parts cache siblings --rows 8 --nodes 0 4  (the paired parts at other cells)
 """
 
 from __future__ import annotations
@@ -171,32 +172,32 @@ def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, batch
                   flush=True)
 
 
-def attention_paths(model, tokenizer, heads, gc, ids, mask) -> None:
+def attention_paths(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
     """The grouped key/value heads read in place (what the engine runs) against copied (transformers' path)."""
     in_place = engine_module.grouped_attention
     paired_steps(model, tokenizer, heads, gc, {
         "in place": lambda: setattr(engine_module, "grouped_attention", in_place),
-        "copied": lambda: setattr(engine_module, "grouped_attention", lambda model: contextlib.nullcontext())})
+        "copied": lambda: setattr(engine_module, "grouped_attention", lambda model: contextlib.nullcontext())}, **cells)
 
 
-def cache_layers(model, tokenizer, heads, gc, ids, mask) -> None:
+def cache_layers(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
     """Cache layers that append in place (``RoomyLayer``, what the engine runs) against transformers' ``DynamicLayer``,
     which concatenates (copies every layer's whole cache at every step)."""
     roomy = engine_module.roomy_cache
     paired_steps(model, tokenizer, heads, gc, {
         "in place": lambda: setattr(engine_module, "roomy_cache", roomy),
         "concatenated": lambda: setattr(engine_module, "roomy_cache", lambda config: DynamicCache(config=config))},
-        batches=(1, 8, 32), nodes=(0, 4))
+        **{"batches": (1, 8, 32), "nodes": (0, 4), **cells})
 
 
-def sibling_products(model, tokenizer, heads, gc, ids, mask) -> None:
+def sibling_products(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
     """Siblings in one packed product (what the engine runs) against every layer alone, each arm's kernels chosen by
     its own measurements; then the decoder's linears alone in both layouts at 1-17 rows."""
     kernels = kernels_of(model)
     SpeculativeGenerator(model, heads, gc).generate(ids, mask, max_new_tokens=2)  # learns the siblings
     learnt = kernels.siblings
     paired_steps(model, tokenizer, heads, gc, {"together": lambda: setattr(kernels, "siblings", learnt),
-                                               "alone": lambda: setattr(kernels, "siblings", {})})
+                                               "alone": lambda: setattr(kernels, "siblings", {})}, **cells)
     lm_head = model.get_output_embeddings()
     alone = [m.weight.detach() for m in kernels.modules if m is not lm_head]
     together = [torch.cat([m.weight.detach() for m in unit]) for unit in kernels.units() if unit[0] is not lm_head]
@@ -288,6 +289,7 @@ def gemm_rate(*_) -> None:
     print(f"fp32 GEMM 2048^3 at {torch.get_num_threads()} threads: {ms:.1f} ms, {2 * 2048**3 / ms / 1e6:.0f} GFLOP/s")
 
 
+PAIRED = ("attention", "cache", "siblings")
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
          "cache": cache_layers, "siblings": sibling_products, "profiles": profiles,
          "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
@@ -297,14 +299,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rows", type=int, nargs="+", help="rows of the paired parts (attention, cache, siblings)")
+    parser.add_argument("--nodes", type=int, nargs="+", help="draft nodes of the side-by-side parts")
     args = parser.parse_args()
+    cells = {k: tuple(v) for k, v in (("batches", args.rows), ("nodes", args.nodes)) if v}
     model, tokenizer = load_policy("smollm2-135m", progress=False)
     heads = load_heads("smollm2-135m", progress=False)
     gc = trl_generation_config(model, tokenizer, args.max_new_tokens, 1.0)
     ids, mask = left_pad(bench_prompts(tokenizer, 1), tokenizer.pad_token_id)
     with torch.no_grad():
         for part in args.parts:
-            PARTS[part](model, tokenizer, heads, gc, ids, mask)
+            PARTS[part](model, tokenizer, heads, gc, ids, mask, **(cells if part in PAIRED else {}))
 
 
 if __name__ == "__main__":

@@ -163,6 +163,7 @@ class LinearKernels:
         self.finder = SiblingFinder()
         self.stash: dict[nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}  # input, its version, output
         self.packed: dict[tuple[nn.Linear, ...], Packed] = {}
+        self.unit_shapes: dict[tuple[nn.Linear, ...], tuple] = {}  # the model's units -> their siblings_shape
         self.trials: dict[tuple, tuple[list[float], list[float]]] = {}  # (shape, bucket) -> per forward, per kernel
         self.running_trials: dict[tuple, Trial] = {}  # in the forward running
         self.choice: dict[tuple, bool] = {}  # (shape, bucket) -> packed wins
@@ -214,7 +215,10 @@ class LinearKernels:
                 waiting = self.stash.pop(module, None)
                 if waiting is not None and waiting[0] is x and waiting[1] == x._version:
                     return waiting[2]  # computed with its first sibling's packed product
-            key = (siblings_shape(siblings, drafting), self.bucket)
+            shape = self.unit_shapes.get(siblings) if not drafting else siblings_shape(siblings, True)
+            if shape is None:  # once per unit of the model (drafting layers are rebuilt every call: not kept)
+                shape = self.unit_shapes[siblings] = siblings_shape(siblings)
+            key = (shape, self.bucket)
             packed = self.choice.get(key)
             if packed is not None:
                 return self._packed_product(siblings, x) if packed and leads else F.linear(x, weight, bias)

@@ -8,7 +8,7 @@ from transformers import GenerationConfig
 from specroll_trl.engine.budget import FixedBudget, OnlineBudget, node_budget
 from specroll_trl.engine.generator import SpeculativeGenerator
 
-from .test_engine import nano_sampling_inputs
+from .test_engine import generate_reference, nano_sampling_inputs
 
 
 def test_fixed_budget_is_the_formula():
@@ -188,6 +188,48 @@ def test_online_budget_chooses_the_verification_rule_that_commits_more_and_follo
     curves["drawn"], curves["top-k"] = curves["top-k"], curves["drawn"]  # e.g. the temperature of a run changed
     late = run(400)[-50:]
     assert sum(rule == "top-k" and n > 0 for rule, n in late) >= 40
+
+
+def test_online_budget_prices_each_rule_s_drafting_apart():
+    """Top-k trees accept a little more here but their drafting costs more (wider frontiers through the heads: at one
+    row a 4-node top-k draft took 11.3 ms, a drawn one 6.5): priced by the pooled steps of both rules, top-k won."""
+    budget = OnlineBudget(max_nodes=16, rules=("drawn", "top-k"), explore=0.1, seed=0)
+    curves = {"drawn": 0.6 ** torch.arange(1, 65, dtype=torch.float64),
+              "top-k": 0.63 ** torch.arange(1, 65, dtype=torch.float64)}
+    chosen = []
+    for _ in range(400):
+        rule, n = budget.plan(1)
+        seconds = 1.0 + (n > 0) * (0.2 + 0.02 * n + 0.2 * (rule == "top-k"))
+        budget.observe(1, n, seconds, float(curves[rule][:n].sum()), curves[rule].log()[None] if n else None, rule)
+        chosen.append((rule, n))
+    assert sum(rule == "drawn" and n > 0 for rule, n in chosen[-100:]) >= 80
+    assert float(budget.cost(1, "top-k")[4] - budget.cost(1, "drawn")[4]) > 0.1
+
+
+@pytest.mark.parametrize("budget", [OnlineBudget(max_nodes=16, rules=("drawn",), seed=0),
+                                    FixedBudget(capacity=8, max_nodes=16, rules=("drawn",))], ids=["online", "fixed"])
+def test_a_budget_plans_within_the_rules_a_call_can_use(budget):
+    """Greedy decoding can only match top-k candidates: the width is chosen for them, not for drawn trees' acceptance
+    (which a greedy run never measures)."""
+    for _ in range(30):
+        rule, n = budget.plan(1, ("top-k",))
+        assert rule == "top-k"
+        scores = torch.full((1, 16), 0.05).log()
+        budget.observe(1, n, 1.0 + 0.2 * (n > 0) + 0.05 * n, 0.05 * n, scores if n else None, rule)
+    assert "top-k" in budget.by_rule and budget.plan(1)[0] == "drawn"
+
+
+def test_greedy_calls_draft_top_k_trees_only(nano):
+    model, tokenizer, heads = nano
+    _, ids, mask, _ = nano_sampling_inputs(nano, 4, seed=904)
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=model.generation_config.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    engine = SpeculativeGenerator(model, heads, greedy)
+    plans, plan = [], engine.budget.plan
+    engine.budget.plan = lambda rows, rules=None: plans.append(plan(rows, rules)) or plans[-1]
+    out = engine.generate(ids, mask)
+    assert any(n for _, n in plans) and {rule for rule, n in plans if n} == {"top-k"}
+    assert out.completion_ids == generate_reference(model, ids, mask, greedy)
 
 
 def test_fixed_budget_takes_the_rule_predicted_to_accept_more_at_its_width():

@@ -4,7 +4,9 @@
 
 * cost: per batch-size bucket, the step's wall time against draft nodes per row ``N``,
   ``t(B, N) = a + d [N > 0] + b N`` (``d``: the draft itself, heads and their vocabulary projection), fitted by
-  exponentially weighted least squares on measured steps, starting from a prior that makes the first step draft;
+  exponentially weighted least squares on measured steps, starting from a prior that makes the first step draft,
+  plus each verification rule's own mean excess over it (top-k trees grow wider frontiers than drawn ones: at one
+  row a 4-node top-k draft took 11.3 ms, a drawn one 6.5);
 * gain: expected committed tokens per row ``g(N) = 1 + k_N A(N)``, where ``A(N)`` is the mean over rows of the best
   ``N`` path scores of the tree (each node's estimated acceptance, summed: the heads' own probabilities for top-k
   trees, reach probabilities under the measured acceptance by depth and rank for drawn ones) and ``k_N`` the observed
@@ -116,9 +118,17 @@ class NodeBudget:
     def _acceptance(self, rule: str) -> AcceptanceByWidth:
         return AcceptanceByWidth(self.max_nodes, self.prior_accept, self.forget, per_width=rule != "drawn")
 
-    def plan(self, active_rows: int) -> tuple[str, int]:
-        """``(rule, nodes per row)`` for the next step."""
+    def plan(self, active_rows: int, rules: tuple[str, ...] | None = None) -> tuple[str, int]:
+        """``(rule, nodes per row)`` for the next step, the rule among ``rules`` (default: the budget's own; greedy
+        decoding can only match top-k candidates)."""
         raise NotImplementedError
+
+    def _usable(self, rules: tuple[str, ...] | None) -> tuple[str, ...]:
+        rules = rules or self.rules
+        for rule in rules:
+            if rule not in self.by_rule:
+                self.by_rule[rule] = self._acceptance(rule)
+        return rules
 
     def choose(self, active_rows: int) -> int:
         """Draft nodes per row for the next step (its rule: ``plan``)."""
@@ -155,13 +165,14 @@ class FixedBudget(NodeBudget):
         super().__init__(max_nodes, rules, **options)
         self.capacity = capacity
 
-    def plan(self, active_rows: int) -> tuple[str, int]:
+    def plan(self, active_rows: int, rules: tuple[str, ...] | None = None) -> tuple[str, int]:
+        rules = self._usable(rules)
         nodes = node_budget(self.capacity, active_rows, self.max_nodes)
         if not nodes:
-            return self.rules[0], 0
-        best = max(self.rules, key=lambda rule: float(self.accepted(rule)[nodes]))
-        if len(self.rules) > 1 and nodes and self.rng.random() < self.explore:
-            best = self.rng.choice(self.rules)
+            return rules[0], 0
+        best = max(rules, key=lambda rule: float(self.accepted(rule)[nodes]))
+        if len(rules) > 1 and nodes and self.rng.random() < self.explore:
+            best = self.rng.choice(rules)
         return best, nodes
 
 
@@ -195,6 +206,7 @@ class OnlineBudget(NodeBudget):
         self.optimism = optimism
         self.fits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (X^T W X, X^T W t)
         self.width_seconds: dict[int, torch.Tensor] = {}  # bucket -> [2, N_max + 1]: (weight, weighted seconds)
+        self.rule_excess: dict[int, dict[str, torch.Tensor]] = {}  # bucket -> rule -> (weight, weighted excess)
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -203,8 +215,10 @@ class OnlineBudget(NodeBudget):
     def _features(self, nodes: torch.Tensor) -> torch.Tensor:
         return torch.stack([torch.ones_like(nodes), (nodes > 0).double(), nodes], dim=-1)
 
-    def cost(self, active_rows: int) -> torch.Tensor:
-        """Predicted step seconds (relative, when nothing was measured yet) for ``N = 0..N_max``: each width's own
+    def cost(self, active_rows: int, rule: str | None = None) -> torch.Tensor:
+        """Predicted seconds of a step (relative, when nothing was measured yet) for ``N = 0..N_max``, drafting
+        with ``rule`` (``None``: any, their steps pooled): the pooled cost plus the rule's mean excess over it at the
+        widths it drafted, shrunk towards none by ``trust`` steps. The pooled cost: each width's own
         mean step time where it was measured, shrunk towards the linear fit of all widths (which alone covers the
         widths not measured yet), or towards the line between the measured widths on either side where that is
         cheaper (a fit to a plain step and wide trees only puts every narrow width near the wide ones' cost, and a
@@ -234,32 +248,47 @@ class OnlineBudget(NodeBudget):
             if seen[0] == 0:  # past the widest width measured, no cheaper than the chord from the plain step to it
                 chord = means[-1] + (nodes - seen[-1]) * (means[-1] - means[0]).clamp(min=0) / seen[-1]
                 model = torch.where(nodes > seen[-1], torch.maximum(model, chord), model)
-        return ((seconds + self.trust * model.clamp(min=1e-9)) / (weight + self.trust)).clamp(min=1e-9)
+        pooled = ((seconds + self.trust * model.clamp(min=1e-9)) / (weight + self.trust)).clamp(min=1e-9)
+        excess = self.rule_excess.get(bucket, {}).get(rule)
+        if excess is None:
+            return pooled
+        extra = torch.full_like(pooled, float(excess[1] / (excess[0] + self.trust)))
+        extra[0] = 0.0  # a plain step drafts nothing
+        return (pooled + extra).clamp(min=1e-9)
 
-    def plan(self, active_rows: int) -> tuple[str, int]:
+    def plan(self, active_rows: int, rules: tuple[str, ...] | None = None) -> tuple[str, int]:
+        rules = self._usable(rules)
         if active_rows <= 0:
-            return self.rules[0], 0
+            return rules[0], 0
         measured = self.width_seconds.get(self._bucket(active_rows))
         if measured is not None and measured[0, 0] == 0:
-            return self.rules[0], 0  # a plain step anchors the cost model: else every width looks as dear as the first
-        cost = self.cost(active_rows)
-        rate = torch.stack([(1.0 + self.accepted(rule)) / cost for rule in self.rules])  # [rules, N_max + 1]
+            return rules[0], 0  # a plain step anchors the cost model: else every width looks as dear as the first
+        cost = torch.stack([self.cost(active_rows, rule) for rule in rules])  # [rules, N_max + 1]
+        rate = torch.stack([1.0 + self.accepted(rule) for rule in rules]) / cost
         flat = int(rate.argmax())
         rule, best = divmod(flat, rate.shape[1])
         if self.rng.random() < self.explore:
             others = [(rule, 0), (rule, max(0, best // 2)), (rule, min(self.max_nodes, max(1, 2 * best)))]
-            others += [(r, max(1, best)) for r in range(len(self.rules)) if r != rule]
+            others += [(r, max(1, best)) for r in range(len(rules)) if r != rule]
             other = self.rng.choice(others)
-            hope = (1.0 + self.accepted(self.rules[other[0]], self.optimism)[other[1]]) / cost[other[1]]
+            hope = (1.0 + self.accepted(rules[other[0]], self.optimism)[other[1]]) / cost[other]
             if self.rng.random() < float(hope / rate[rule, best]) ** 4:
                 rule, best = other
-        return self.rules[rule], best
+        return rules[rule], best
 
     def observe(self, active_rows, num_nodes, seconds, accepted, path_scores, rule=None):
         super().observe(active_rows, num_nodes, seconds, accepted, path_scores, rule)
         if seconds is None:
             return
         bucket = self._bucket(active_rows)
+        excess = self.rule_excess.setdefault(bucket, {})
+        for measured in excess.values():
+            measured *= self.forget
+        if num_nodes and bucket in self.fits:  # against the pooled cost before this step counts in it
+            rule = rule or self.rules[0]
+            gap = seconds - float(self.cost(active_rows)[num_nodes])
+            excess[rule] = excess.get(rule, torch.zeros(2, dtype=torch.float64)) + torch.tensor(
+                [1.0, gap], dtype=torch.float64)
         x = self._features(torch.tensor(float(num_nodes), dtype=torch.float64))
         gram, moment = self.fits.get(bucket, (torch.zeros(3, 3, dtype=torch.float64),
                                               torch.zeros(3, dtype=torch.float64)))

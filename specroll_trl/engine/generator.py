@@ -481,12 +481,12 @@ class SpeculativeGenerator:
     def _draft(self, state: DecodeState, hooks: TimedHooks, stats: GenerationStats) -> Draft:
         """The heads' candidates (after the hooks' adjustments) and the best ``N_t`` tree nodes per row."""
         active = state.rows.numel()
-        rule, num_nodes = self.budget.plan(active)
+        rule, num_nodes = self.budget.plan(active, None if state.target.do_sample else ("top-k",))
         stats.nodes_per_row.append(num_nodes)
         stats.active_rows.append(active)
         if not num_nodes:
             return Draft(select_tree(state.root, None, None, self.table, 0, self.heads.num_heads), 0)
-        if rule == "drawn" and state.target.do_sample:  # greedy decoding matches top-k candidates
+        if rule == "drawn":
             stats.drawn_row_steps += active
             return self._draw(state, hooks, num_nodes)
         if self.embed is not None:

@@ -96,6 +96,31 @@ def test_bench_generation_quick_writes_spec_records(nano, tmp_path):
     assert out.with_suffix(".png").is_file()
 
 
+def test_generation_bench_rotates_which_arm_follows_generate(monkeypatch):
+    """A fixed order put the same engine right after `generate` in every round: a slow spell spanning the two then
+    flattered every other arm. Each round now starts one arm later."""
+    from types import SimpleNamespace
+
+    from specroll_trl.experiments import bench
+
+    calls = []
+    monkeypatch.setattr(bench, "_vanilla", lambda *a, **k: (calls.append("generate"), (1.0, 10))[1])
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, ids, mask):
+            calls.append(self.name)
+            stats = SimpleNamespace(seconds=0.5, tokens=10, tau=1.0, accept_per_head=[0.0], nodes_per_row=[0])
+            return SimpleNamespace(stats=stats)
+
+    engines = {name: Engine(name) for name in ("spec", "fixed_0")}
+    records = bench._alternate(None, engines, [(None, None)] * 3, None)
+    assert calls == ["generate", "spec", "fixed_0", "spec", "fixed_0", "generate", "fixed_0", "generate", "spec"]
+    assert [r["per_token_speedups"] for r in records] == [[2.0] * 3] * 2
+
+
 # --------------------------------------------------------------------------- every flag is honoured or refused
 
 SINKS = {  # where the handlers hand their settings: replaced by recorders, so no flag can be dropped unseen

@@ -207,6 +207,7 @@ class OnlineBudget(NodeBudget):
         self.fits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (X^T W X, X^T W t)
         self.width_seconds: dict[int, torch.Tensor] = {}  # bucket -> [2, N_max + 1]: (weight, weighted seconds)
         self.rule_excess: dict[int, dict[str, torch.Tensor]] = {}  # bucket -> rule -> (weight, weighted excess)
+        self.pooled: dict[int, torch.Tensor] = {}  # active rows -> pooled cost, until the next step is measured
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -226,6 +227,17 @@ class OnlineBudget(NodeBudget):
         one node against 93 measured). Past the widest width measured, no cheaper than the chord from the plain step
         through it, extended (a fit to a plain step and two noisy narrow widths can slope down: at eight rows, two
         threads, it priced 16 nodes below 2, and the budget spent steps of 693 ms where plain ones took 116)."""
+        pooled = self.pooled.get(active_rows)
+        if pooled is None:
+            pooled = self.pooled[active_rows] = self._pooled_cost(active_rows)
+        excess = self.rule_excess.get(self._bucket(active_rows), {}).get(rule)
+        if excess is None:
+            return pooled
+        extra = torch.full_like(pooled, float(excess[1] / (excess[0] + self.trust)))
+        extra[0] = 0.0  # a plain step drafts nothing
+        return (pooled + extra).clamp(min=1e-9)
+
+    def _pooled_cost(self, active_rows: int) -> torch.Tensor:
         nodes = torch.arange(self.max_nodes + 1, dtype=torch.float64)
         bucket = self._bucket(active_rows)
         fit = self.fits.get(bucket)
@@ -248,13 +260,7 @@ class OnlineBudget(NodeBudget):
             if seen[0] == 0:  # past the widest width measured, no cheaper than the chord from the plain step to it
                 chord = means[-1] + (nodes - seen[-1]) * (means[-1] - means[0]).clamp(min=0) / seen[-1]
                 model = torch.where(nodes > seen[-1], torch.maximum(model, chord), model)
-        pooled = ((seconds + self.trust * model.clamp(min=1e-9)) / (weight + self.trust)).clamp(min=1e-9)
-        excess = self.rule_excess.get(bucket, {}).get(rule)
-        if excess is None:
-            return pooled
-        extra = torch.full_like(pooled, float(excess[1] / (excess[0] + self.trust)))
-        extra[0] = 0.0  # a plain step drafts nothing
-        return (pooled + extra).clamp(min=1e-9)
+        return ((seconds + self.trust * model.clamp(min=1e-9)) / (weight + self.trust)).clamp(min=1e-9)
 
     def plan(self, active_rows: int, rules: tuple[str, ...] | None = None) -> tuple[str, int]:
         rules = self._usable(rules)
@@ -297,6 +303,7 @@ class OnlineBudget(NodeBudget):
         width *= self.forget
         width[:, num_nodes] += torch.tensor([1.0, seconds], dtype=torch.float64)
         self.width_seconds[bucket] = width
+        self.pooled.clear()
 
     def state(self) -> dict:
         """What the budget currently believes (for logging and tests)."""

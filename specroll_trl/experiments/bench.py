@@ -103,22 +103,29 @@ def _prompt_sets(model_name: str, tokenizer, task: str, batch_size: int, repeats
     return [task_prompt_ids(tokenizer, task, batch_size, seed=4242 + batch_size + 1000 * r) for r in range(repeats)]
 
 
+GENERATE = object()  # TRL's `generate`, the reference arm of every round
+
+
 def _alternate(model, engines: dict, inputs: list, gc) -> list[dict]:
-    """One round per ``(ids, mask)`` of ``inputs``, each of one vanilla ``generate`` then every engine (``None``:
-    HF's prompt-lookup assisted decoding) on those prompts and the same seed; one record per engine, with medians
+    """One round per ``(ids, mask)`` of ``inputs``, each of one vanilla ``generate`` and every engine (``None``:
+    HF's prompt-lookup assisted decoding) on those prompts and the same seed, the order rotated by one arm each
+    round (in a fixed order the online budget always ran right after ``generate``, so a slow spell of the machine
+    spanning the two flattered every other arm against it); one record per engine, with medians
     over rounds (``per_token_speedups``: each round's). All sample the same distribution but not the same draws,
     so completion lengths differ: ``per_token_speedup`` compares seconds per generated token as well as
     ``speedup`` whole calls."""
     vanilla_s, vanilla_tokens = [], []
     runs = {mode: {"s": [], "tokens": [], "tau": [], "accept": [], "nodes": []} for mode in engines}
+    arms = [GENERATE, *engines]
     for r, (ids, mask) in enumerate(inputs):
-        torch.manual_seed(r)
-        seconds, n = _vanilla(model, ids, mask, gc)
-        vanilla_s.append(seconds)
-        vanilla_tokens.append(n)
-        for mode, engine in engines.items():
+        for mode in arms[r % len(arms):] + arms[:r % len(arms)]:  # a slow spell of the machine hits each arm in turn
             torch.manual_seed(r)
-            run = runs[mode]
+            if mode is GENERATE:
+                seconds, n = _vanilla(model, ids, mask, gc)
+                vanilla_s.append(seconds)
+                vanilla_tokens.append(n)
+                continue
+            engine, run = engines[mode], runs[mode]
             if engine is None:
                 s, n = _vanilla(model, ids, mask, gc, prompt_lookup_num_tokens=4)
             else:

@@ -486,7 +486,7 @@ class SpeculativeGenerator:
         stats.active_rows.append(active)
         if not num_nodes:
             return Draft(select_tree(state.root, None, None, self.table, 0, self.heads.num_heads), 0)
-        if rule == "drawn":
+        if rule == "drawn" and state.target.do_sample:  # greedy decoding matches top-k candidates only
             stats.drawn_row_steps += active
             return self._draw(state, hooks, num_nodes)
         if self.embed is not None:

@@ -124,6 +124,7 @@ class NodeBudget:
         raise NotImplementedError
 
     def _usable(self, rules: tuple[str, ...] | None) -> tuple[str, ...]:
+        """``rules`` (default: the budget's own), each with an acceptance model from now on."""
         rules = rules or self.rules
         for rule in rules:
             if rule not in self.by_rule:
@@ -145,9 +146,7 @@ class NodeBudget:
         draft nodes per row, (when it drafted) the ``[B, P]`` log-scores of every candidate path (what the tree was
         chosen from) and its rule."""
         if path_scores is not None and num_nodes:
-            rule = rule or self.rules[0]
-            if rule not in self.by_rule:  # a rule the engine had to use (greedy decoding matches top-k candidates)
-                self.by_rule[rule] = self._acceptance(rule)
+            rule = self._usable((rule or self.rules[0],))[0]  # may be one the budget was not built with
             self.by_rule[rule].observe(num_nodes, accepted, path_scores)
 
     @property

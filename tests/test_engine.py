@@ -2,6 +2,7 @@
 ragged cache, node budget, and clear errors."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -302,13 +303,58 @@ def test_roomy_layers_append_in_place_and_give_the_same_logits_bitwise():
         appended += query.shape[1]
     assert all(torch.equal(a, b) for a, b in zip(*runs.values()))
     assert caches["roomy"].layers[0].buffers[0] is buffer  # 4 slots appended into the room of 8: no new buffer
-    for cache in caches.values():  # a row leaves: the tensors are replaced, then appended to again
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[[0, 2]], layer.values[[0, 2]]
+    for cache in caches.values():  # a row leaves, the last takes its place: in place, one row moved
+        RaggedCache(cache, torch.ones(3, 9, dtype=torch.bool), torch.full((3,), 9)).keep_rows(torch.tensor([0, 2]))
+    assert caches["roomy"].layers[0].keys.shape[0] == 2
+    step_pos = torch.tensor([[8], [8]])
     outs = [model(input_ids=torch.tensor([[24], [25]]), attention_mask=torch.ones(2, 9, dtype=torch.long),
-                  position_ids=torch.tensor([[8], [8]]), cache=cache, use_cache=True).logits
-            for cache in caches.values()]
+                  position_ids=step_pos, cache=cache, use_cache=True).logits for cache in caches.values()]
+    assert torch.equal(*outs) and caches["roomy"].layers[0].buffers[0] is buffer
+    for cache in caches.values():  # leading slots dropped (a view further into the buffer), then a compaction
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+    outs = [model(input_ids=torch.tensor([[26], [27]]), attention_mask=torch.ones(2, 10, dtype=torch.long),
+                  position_ids=step_pos + 1, cache=cache, use_cache=True).logits for cache in caches.values()]
+    assert torch.equal(*outs) and caches["roomy"].layers[0].buffers[0] is buffer
+    for cache in caches.values():
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.flip(2).contiguous(), layer.values.flip(2).contiguous()
+    outs = [model(input_ids=torch.tensor([[28], [29]]), attention_mask=torch.ones(2, 11, dtype=torch.long),
+                  position_ids=step_pos + 2, cache=cache, use_cache=True).logits for cache in caches.values()]
     assert torch.equal(*outs) and caches["roomy"].layers[0].buffers[0] is not buffer  # copied once, with room
+
+
+def test_rows_leaving_move_as_many_rows_as_leave():
+    """``RaggedCache.keep_rows`` on room-keeping layers copies only the rows whose place changes; the engine keeps
+    the rows that stay in place and moves the last ones into the leavers' places, so a step after rows finish
+    copies no more than they were (in order, every row after the first leaver moved: at 32 rows the next step
+    took ~50 ms more)."""
+    model = make_model(vocab=50, seed=4)
+    ids, mask = left_padded([[3 + b, 4, 5] for b in range(6)])
+    cache = roomy_cache(model.config, room=8)
+    model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    kv = RaggedCache(cache, mask.bool(), mask.sum(1))
+    before = [layer.keys.clone() for layer in cache.layers]
+    writes = []
+    original = torch.Tensor.__setitem__
+
+    def counting(self, index, value):
+        writes.append(value.shape[0])
+        return original(self, index, value)
+
+    state = SimpleNamespace(rows=torch.arange(10, 16), root=torch.arange(6), hidden=torch.randn(6, 4), kv=kv)
+    hidden = state.hidden.clone()
+    torch.Tensor.__setitem__ = counting
+    try:
+        SpeculativeGenerator._keep(state, torch.tensor([True, False, True, True, False, True]))
+    finally:
+        torch.Tensor.__setitem__ = original
+    keep = torch.tensor([0, 5, 2, 3])  # the last row takes the first leaver's place; the second leaver was last but one
+    assert torch.equal(state.rows, 10 + keep) and torch.equal(state.root, keep)
+    assert torch.equal(state.hidden, hidden[keep])
+    assert writes and set(writes) == {1}  # one row moved per tensor
+    for layer, old in zip(cache.layers, before):
+        assert torch.equal(layer.keys, old[keep]) and layer.keys.data_ptr() == layer.buffers[0].data_ptr()
 
 
 def test_tree_is_closed_under_parent_and_best_first():

@@ -20,8 +20,9 @@ from transformers.cache_utils import DynamicLayer
 class RoomyLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys`` and ``values`` are views of buffers with room after them (at least ``room``
     slots, or a quarter of their length: the memory held beyond ``DynamicLayer``'s stays within that share): a step's
-    slots are written in place. Whoever replaces ``keys`` or ``values`` by another tensor (a compaction, rows
-    leaving) costs one copy into a new buffer at the next update; narrowing them to a prefix keeps the buffer."""
+    slots are written in place. A view of the buffer's first rows starting at any slot stays in place too (rows
+    leaving, leading holes dropped: ``keep_rows``, ``narrow``); whoever replaces ``keys`` or ``values`` by another
+    tensor (a compaction) costs one copy into a new buffer at the next update."""
 
     def __init__(self, room: int = 64, **kwargs):
         super().__init__(**kwargs)
@@ -35,20 +36,41 @@ class RoomyLayer(DynamicLayer):
         self.values = self._append(1, self.values, value_states)
         return self.keys, self.values
 
+    def _start(self, which: int, held: torch.Tensor) -> int | None:
+        """The slot of its buffer where ``held`` begins, if ``held`` is that buffer's first rows from there on."""
+        buffer = self.buffers[which]
+        if (buffer is None or held.dim() != 4 or held.stride() != buffer.stride()
+                or held.shape[0] > buffer.shape[0] or held.shape[1] != buffer.shape[1]):
+            return None
+        start, rest = divmod(held.data_ptr() - buffer.data_ptr(), buffer.stride(2) * buffer.element_size())
+        # memory inside a live buffer is a view of it; past its first row and head a start exceeds the slots
+        return start if rest == 0 and 0 <= start and start + held.shape[2] <= buffer.shape[2] else None
+
     def _append(self, which: int, held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         length = held.shape[-2] if held.dim() == 4 else 0
         end = length + new.shape[-2]
+        start = self._start(which, held)
         buffer = self.buffers[which]
-        in_place = (buffer is not None and held.dim() == 4 and held.data_ptr() == buffer.data_ptr()
-                    and held.shape[:2] == buffer.shape[:2] and held.stride() == buffer.stride()
-                    and end <= buffer.shape[2])
-        if not in_place:
+        if start is None or start + end > buffer.shape[2]:
             buffer = self.buffers[which] = new.new_empty((*new.shape[:2], end + max(self.room, end // 4),
                                                           new.shape[3]))
+            start = 0
             if length:
                 buffer[:, :, :length] = held
-        buffer[:, :, length:end] = new
-        return buffer[:, :, :end]
+        rows = new.shape[0]
+        buffer[:rows, :, start + length:start + end] = new
+        return buffer[:rows, :, start:start + end]
+
+    def keep_rows(self, rows: torch.Tensor, moved: torch.Tensor) -> None:
+        """Keep ``rows`` (indices into the current batch) as the new batch, in place where the tensors are views of
+        the buffers: only the ``moved`` positions (``rows[moved] != moved``) are copied."""
+        for which, name in enumerate(("keys", "values")):
+            held = getattr(self, name)
+            if self._start(which, held) is None:
+                setattr(self, name, held.index_select(0, rows))
+                continue
+            held[moved] = held[rows[moved]]  # the gather copies first: overlapping rows are safe
+            setattr(self, name, held[:rows.numel()])
 
 
 def roomy_cache(config, room: int = 64) -> DynamicCache:
@@ -97,8 +119,15 @@ class RaggedCache:
         return mask[:, None]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices into the current batch), then drop leading all-hole columns."""
-        self._apply(lambda t: t.index_select(0, rows))
+        """Keep only ``rows`` (indices into the current batch), then drop leading all-hole columns. Room-keeping
+        layers move only the rows whose place changes (``rows[i] != i``): with the rows left in place and the last
+        ones moved into the places of those leaving, that is as many rows as leave."""
+        moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
+        for layer in self.cache.layers:
+            if isinstance(layer, RoomyLayer):
+                layer.keep_rows(rows, moved)
+            else:
+                layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
         self.valid = self.valid.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._trim_leading()

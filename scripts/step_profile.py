@@ -13,6 +13,9 @@
 * ``siblings``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the layers that read one input (query, key
   and value; gate and up) packed as one product (what the engine runs) against every layer alone, alternating; then
   the decoder's linears alone in both layouts, ``F.linear`` and packed, at 1-17 rows;
+* ``leaving``: ms for one row of 32 to leave a cache of 450 slots and for the next step's append, with the rows
+  kept in order and copied out of their buffers (what the engine did before), kept in order in place (every row
+  after the leaver moves), and with the last row moved into the leaver's place (what the engine does);
 * ``profiles``: torch.profiler tables of a 0- and a 2-node run and of `generate`;
 * ``lm_head``: the lm_head product and the heads' draft-vocabulary projection alone, `F.linear` against the packed
   kernel (and, for the lm_head, `x @ W.T` with a transposed copy), for 1-17 query rows, and what packing costs;
@@ -32,6 +35,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 from torch.nn import functional as F
@@ -43,7 +47,7 @@ from specroll_trl.engine import SpeculativeGenerator
 from specroll_trl.engine import generator as engine_module
 from specroll_trl.engine.heads import SpeculativeHeads, VocabProjection
 from specroll_trl.engine.kernels import kernels_of, packed_linear
-from specroll_trl.engine.kvcache import RaggedCache
+from specroll_trl.engine.kvcache import RaggedCache, roomy_cache
 from specroll_trl.experiments.heads_bench import bench_prompts
 from specroll_trl.experiments.zoo import load_heads, load_policy, trl_generation_config
 
@@ -218,6 +222,41 @@ def sibling_products(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
               flush=True)
 
 
+def rows_leaving(model, *_, rows: int = 32, slots: int = 450, rounds: int = 10) -> None:
+    config = model.config
+    shape = (rows, config.num_key_value_heads, slots, config.hidden_size // config.num_attention_heads)
+    alive = torch.ones(rows, dtype=torch.bool)
+    alive[rows // 6] = False
+
+    def copied(kv, keep):
+        kv._apply(lambda t: t.index_select(0, keep))
+
+    def into_place(kv, _):
+        state = SimpleNamespace(rows=torch.arange(rows), root=torch.arange(rows), hidden=torch.zeros(rows, 1), kv=kv)
+        SpeculativeGenerator._keep(state, alive)
+
+    arms = {"copied out, in order": copied, "in place, in order": RaggedCache.keep_rows,
+            "in place, last into the leaver's place": into_place}
+    spent = {arm: ([], []) for arm in arms}
+    for _ in range(rounds):
+        for arm, leave in arms.items():
+            cache = roomy_cache(config)
+            for layer in cache.layers:
+                layer.update(torch.randn(shape), torch.randn(shape))
+            kv = RaggedCache(cache, torch.ones(rows, slots, dtype=torch.bool), torch.full((rows,), slots))
+            start = time.perf_counter()
+            leave(kv, alive.nonzero().squeeze(1))
+            middle = time.perf_counter()
+            step = torch.randn(rows - 1, *shape[1:2], 1, shape[3])
+            for layer in cache.layers:
+                layer.update(step, step)
+            spent[arm][0].append(middle - start)
+            spent[arm][1].append(time.perf_counter() - middle)
+    for arm, (leaving, appending) in spent.items():
+        print(f"one row of {rows} leaves, {slots} slots, {arm}: leaving {1e3 * statistics.median(leaving):.1f} ms, "
+              f"next append {1e3 * statistics.median(appending):.1f} ms", flush=True)
+
+
 def profiles(model, tokenizer, heads, gc, ids, mask) -> None:
     engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9) for n in (0, 2)}
     runs = {"nodes 0": lambda: engines[0].generate(ids, mask), "nodes 2": lambda: engines[2].generate(ids, mask),
@@ -291,7 +330,7 @@ def gemm_rate(*_) -> None:
 
 PAIRED = ("attention", "cache", "siblings")
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
-         "cache": cache_layers, "siblings": sibling_products, "profiles": profiles,
+         "cache": cache_layers, "siblings": sibling_products, "leaving": rows_leaving, "profiles": profiles,
          "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
 
 

@@ -69,7 +69,7 @@ class RoomyLayer(DynamicLayer):
             if self._start(which, held) is None:
                 setattr(self, name, held.index_select(0, rows))
                 continue
-            held[moved] = held[rows[moved]]  # the gather copies first: overlapping rows are safe
+            held.index_copy_(0, moved, held.index_select(0, rows[moved]))  # gathered first: any order is safe
             setattr(self, name, held[:rows.numel()])
 
 

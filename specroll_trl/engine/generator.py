@@ -662,13 +662,8 @@ class SpeculativeGenerator:
 
     @staticmethod
     def _keep(state: DecodeState, alive: torch.Tensor) -> None:
-        keep = alive.nonzero().squeeze(1)
-        left = keep.numel()
-        # the last rows take the places of those leaving, the others stay: the cache moves as many rows as leave
-        # (in order, every row after the first to leave moved: at 32 rows the next step cost ~50 ms more)
-        keep = torch.arange(left, device=keep.device).masked_scatter(~alive[:left], keep[keep >= left])
+        keep = state.kv.leave(alive)
         state.rows, state.root, state.hidden = state.rows[keep], state.root[keep], state.hidden[keep]
-        state.kv.keep_rows(keep)
 
     def _finish(self, state: DecodeState, hooks: TimedHooks, stats: GenerationStats, start: float) -> GenerationOutput:
         lengths = state.done_len.tolist()

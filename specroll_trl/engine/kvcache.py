@@ -12,6 +12,9 @@ Only the public ``keys``/``values`` tensors of each cache layer are touched.
 
 from __future__ import annotations
 
+import operator
+from itertools import compress
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -61,16 +64,9 @@ class RoomyLayer(DynamicLayer):
         buffer[:rows, :, start + length:start + end] = new
         return buffer[:rows, :, start:start + end]
 
-    def keep_rows(self, rows: torch.Tensor, moved: torch.Tensor) -> None:
-        """Keep ``rows`` (indices into the current batch) as the new batch, in place where the tensors are views of
-        the buffers: only the ``moved`` positions (``rows[moved] != moved``) are copied."""
-        for which, name in enumerate(("keys", "values")):
-            held = getattr(self, name)
-            if self._start(which, held) is None:
-                setattr(self, name, held.index_select(0, rows))
-                continue
-            held.index_copy_(0, moved, held.index_select(0, rows[moved]))  # gathered first: any order is safe
-            setattr(self, name, held[:rows.numel()])
+    def in_place(self) -> bool:
+        """Whether ``keys`` and ``values`` are views of the buffers (rows can leave them in place)."""
+        return self._start(0, self.keys) is not None and self._start(1, self.values) is not None
 
 
 def roomy_cache(config, room: int = 64) -> DynamicCache:
@@ -79,6 +75,17 @@ def roomy_cache(config, room: int = 64) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [RoomyLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def _move_rows(tensors: list[torch.Tensor], to: list[int], source: list[int]) -> None:
+    """Row ``source[i]`` of each tensor into its row ``to[i]``: one multi-tensor copy where no row is both read and
+    written (the order ``RaggedCache.leave`` gives), else each tensor's rows gathered first."""
+    if set(to).isdisjoint(source):
+        torch._foreach_copy_([t[i] for t in tensors for i in to], [t[j] for t in tensors for j in source])
+        return
+    to_index, source_index = (torch.tensor(x, device=tensors[0].device) for x in (to, source))
+    for t in tensors:
+        t.index_copy_(0, to_index, t.index_select(0, source_index))
 
 
 class RaggedCache:
@@ -119,15 +126,42 @@ class RaggedCache:
         return mask[:, None]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices into the current batch), then drop leading all-hole columns. Room-keeping
-        layers move only the rows whose place changes (``rows[i] != i``): with the rows left in place and the last
-        ones moved into the places of those leaving, that is as many rows as leave."""
+        """Keep only ``rows`` (indices into the current batch, in any order), then drop leading all-hole columns.
+        Room-keeping layers move only the rows whose place changes (``rows[i] != i``) inside their buffers."""
         moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
+        self._keep(rows, moved.tolist(), rows[moved].tolist())
+
+    def leave(self, alive: torch.Tensor) -> torch.Tensor:
+        """Drop the rows not ``alive`` (``[B]`` bool): the rows that stay keep their places and the last ones move
+        into those of the rows leaving, so room-keeping layers copy as many rows as leave, in one multi-tensor copy
+        for every layer (kept in order, every row after the first leaver would move). Returns the rows kept, as
+        indices into the former batch in their new order; one device-to-host read."""
+        flags = alive.tolist()
+        kept = list(compress(range(len(flags)), flags))
+        count = len(kept)
+        holes = list(compress(range(count), map(operator.not_, flags[:count])))
+        movers = kept[count - len(holes):]  # the rows kept from past ``count``
+        order = list(range(count))
+        for hole, row in zip(holes, movers):
+            order[hole] = row
+        rows = torch.tensor(order, dtype=torch.long, device=alive.device)
+        self._keep(rows, holes, movers)
+        return rows
+
+    def _keep(self, rows: torch.Tensor, to: list[int], source: list[int]) -> None:
+        """``keep_rows`` with its moves known: row ``source[i]`` goes to ``to[i]``."""
+        in_place = []
         for layer in self.cache.layers:
-            if isinstance(layer, RoomyLayer):
-                layer.keep_rows(rows, moved)
+            if isinstance(layer, RoomyLayer) and layer.in_place():
+                in_place.append(layer)
             else:
                 layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        tensors = [t for layer in in_place for t in (layer.keys, layer.values)]
+        if to and tensors:
+            _move_rows(tensors, to, source)
+        count = rows.numel()
+        for layer in in_place:
+            layer.keys, layer.values = layer.keys[:count], layer.values[:count]
         self.valid = self.valid.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._trim_leading()

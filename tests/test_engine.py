@@ -325,9 +325,9 @@ def test_roomy_layers_append_in_place_and_give_the_same_logits_bitwise():
 
 
 def test_rows_leaving_move_as_many_rows_as_leave(monkeypatch):
-    """``RaggedCache.keep_rows`` on room-keeping layers copies only the rows whose place changes, in one multi-tensor
-    copy; the engine keeps the rows that stay in place and moves the last ones into the leavers' places, so rows
-    finishing copy no more rows than they were (kept in order, the whole cache was copied out and again at the next
+    """When rows finish (``RaggedCache.leave``, through the engine's ``_keep``), the rows that stay keep their places
+    and the last ones move into the leavers', in one multi-tensor copy of room-keeping layers' rows: rows finishing
+    copy no more rows than they were (kept in order, the whole cache was copied out and again at the next
     append: at 32 rows the step after a row left took ~50 ms more)."""
     model = make_model(vocab=50, seed=4)
     ids, mask = left_padded([[3 + b, 4, 5] for b in range(6)])

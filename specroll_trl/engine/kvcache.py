@@ -24,8 +24,8 @@ class RoomyLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys`` and ``values`` are views of buffers with room after them (at least ``room``
     slots, or a quarter of their length: the memory held beyond ``DynamicLayer``'s stays within that share): a step's
     slots are written in place. A view of the buffer's first rows starting at any slot stays in place too (rows
-    leaving, leading holes dropped: ``keep_rows``, ``narrow``); whoever replaces ``keys`` or ``values`` by another
-    tensor (a compaction) costs one copy into a new buffer at the next update."""
+    leaving: ``RaggedCache.leave``; leading holes dropped; a prefix kept); whoever replaces ``keys`` or ``values`` by
+    another tensor (a compaction) costs one copy into a new buffer at the next update."""
 
     def __init__(self, room: int = 64, **kwargs):
         super().__init__(**kwargs)

@@ -129,7 +129,7 @@ class RaggedCache:
         """Keep only ``rows`` (indices into the current batch, in any order), then drop leading all-hole columns.
         Room-keeping layers move only the rows whose place changes (``rows[i] != i``) inside their buffers."""
         moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
-        self._keep(rows, moved.tolist(), rows[moved].tolist())
+        self._keep_moving(rows, moved.tolist(), rows[moved].tolist())
 
     def leave(self, alive: torch.Tensor) -> torch.Tensor:
         """Drop the rows not ``alive`` (``[B]`` bool): the rows that stay keep their places and the last ones move
@@ -145,10 +145,10 @@ class RaggedCache:
         for hole, row in zip(holes, movers):
             order[hole] = row
         rows = torch.tensor(order, dtype=torch.long, device=alive.device)
-        self._keep(rows, holes, movers)
+        self._keep_moving(rows, holes, movers)
         return rows
 
-    def _keep(self, rows: torch.Tensor, to: list[int], source: list[int]) -> None:
+    def _keep_moving(self, rows: torch.Tensor, to: list[int], source: list[int]) -> None:
         """``keep_rows`` with its moves known: row ``source[i]`` goes to ``to[i]``."""
         in_place = []
         for layer in self.cache.layers:

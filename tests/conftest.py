@@ -44,10 +44,14 @@ def cut_after_eos(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def specroll_home(tmp_path_factory):
-    """The zoo cache: $SPECROLL_HOME if set (reuse across runs), else a per-session folder."""
-    home = os.environ.get("SPECROLL_HOME") or str(tmp_path_factory.mktemp("specroll_home"))
-    os.environ["SPECROLL_HOME"] = home
-    return home
+    """The zoo cache the library uses: $SPECROLL_HOME, default ``~/.cache/specroll_trl``, so that the toy policies
+    and heads a first run builds (``nano``: about 2 minutes) are reused by the next (CI points it at an empty
+    folder and builds everything)."""
+    from specroll_trl.files import specroll_home as library_home
+
+    path = str(library_home())
+    os.environ["SPECROLL_HOME"] = path
+    return path
 
 
 @pytest.fixture(scope="session")

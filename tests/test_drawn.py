@@ -135,7 +135,7 @@ def test_chi_square_detects_top_k_candidates_checked_with_p_over_q(monkeypatch):
     assert chi_square_pvalue(samples[0], exact) < 1e-6
 
 
-@pytest.mark.parametrize("kind", ["independent", "path"])
+@pytest.mark.parametrize("kind", [pytest.param("independent", marks=pytest.mark.slow), "path"])
 def test_drawn_candidates_over_a_draft_vocabulary_are_exact(kind):
     """q is zero outside the draft vocabulary (tokens 0, 1 and 4 here): the residual covers them."""
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)

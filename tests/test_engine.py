@@ -55,7 +55,8 @@ def count_forwards(model) -> list:
 
 
 @pytest.mark.parametrize("batch_size,num_prompts",
-                         [pytest.param(1, 50, marks=pytest.mark.slow), (3, 60), (16, 64)])
+                         [pytest.param(1, 50, marks=pytest.mark.slow), pytest.param(3, 60, marks=pytest.mark.slow),
+                          (16, 64)])
 def test_greedy_equals_generate_with_trained_heads(nano, batch_size, num_prompts):
     model, tokenizer, heads = nano
     prompts = task_prompt_ids(tokenizer, "arithmetic", num_prompts, seed=777)
@@ -186,10 +187,14 @@ SAMPLING_SETTINGS = {
 }
 
 
+FAST_RULE_CASES = {("t1.0-rep-topk-topp", "path", "top-k"), ("t1.0-rep-topk-topp", "independent", "drawn"),
+                   ("t1.0", "path", "drawn+1-fixed"), ("t1.0", "independent", "top-k")}
+
+
 def rule_cases():
-    """Every (setting, head kind, rule); the fast lane keeps each rule on two settings and both head kinds."""
-    fast = {"t1.0", "t1.0-rep-topk-topp"}
-    return [pytest.param(name, kind, rule, marks=() if name in fast else pytest.mark.slow)
+    """Every (setting, head kind, rule); the fast lane keeps ``FAST_RULE_CASES``: each rule, each head kind and the
+    plain and the most processed setting at least once."""
+    return [pytest.param(name, kind, rule, marks=() if (name, kind, rule) in FAST_RULE_CASES else pytest.mark.slow)
             for name in sorted(SAMPLING_SETTINGS) for kind in HEAD_KINDS for rule in RULES]
 
 
@@ -244,7 +249,7 @@ def nano_sampling_inputs(nano, num_prompts, seed, **generation):
     return prompts, ids, mask, gc
 
 
-@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("rule", [r if r == "drawn" else pytest.param(r, marks=pytest.mark.slow) for r in sorted(RULES)])
 def test_mean_accepted_length_matches_tree_path_probability(nano, rule):
     model, _, heads = nano
     _, ids, mask, gc = nano_sampling_inputs(nano, 96, seed=779, temperature=1.0, max_new_tokens=96)

@@ -36,7 +36,8 @@ SEQUENCE_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SEQUENCE_OPTIONS))
+@pytest.mark.parametrize("name", [n if n.startswith("all") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(SEQUENCE_OPTIONS)])  # the fast lane: all of them at once
 def test_sequence_options_sample_exactly(name):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
     gc = GenerationConfig(do_sample=True, max_new_tokens=LENGTH, eos_token_id=1, pad_token_id=0, temperature=1.0,

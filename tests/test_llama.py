@@ -38,7 +38,8 @@ def noisy(model, std=0.4, seed=1, draft_ids=None):
     return heads
 
 
-@pytest.mark.parametrize("name", ["t1.0", "t0.7-minp-rep", "t1.0-rep-topk-topp"])
+@pytest.mark.parametrize("name", [pytest.param("t1.0", marks=pytest.mark.slow), "t0.7-minp-rep",
+                                  pytest.param("t1.0-rep-topk-topp", marks=pytest.mark.slow)])
 def test_sampling_distribution_is_exact_on_llama(name):
     model = make_llama(scale=3.0, seed=11)
     gc = GenerationConfig(do_sample=True, max_new_tokens=3, eos_token_id=1, pad_token_id=0, **SAMPLING_SETTINGS[name])

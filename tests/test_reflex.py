@@ -128,11 +128,15 @@ LOOKUP = ("lookup", dict(prior=0.6))
 BOTH = ("baseline+lookup", dict(eta=5.0, rho_min=-1.0 + 1e-3, prior=0.6))
 
 
-@pytest.mark.parametrize("settings,preset,kind", [
-    (dict(temperature=1.0, top_k=0), FORCED, "independent"), (HARD, FORCED, "independent"),
-    (HARD, GROUP_LOOKUP, "independent"), (HARD, LOOKUP, "independent"),
-    (dict(temperature=1.0, top_k=0), FORCED, "path"), (HARD, FORCED, "path"), (HARD, GROUP_LOOKUP, "path"),
-    (HARD, LOOKUP, "path"), (HARD, BOTH, "independent"), (HARD, BOTH, "path")])
+def slow(*case):
+    return pytest.param(*case, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("settings,preset,kind", [  # the fast lane: every preset kind and head kind once
+    (dict(temperature=1.0, top_k=0), FORCED, "independent"), slow(HARD, FORCED, "independent"),
+    (HARD, GROUP_LOOKUP, "independent"), slow(HARD, LOOKUP, "independent"),
+    slow(dict(temperature=1.0, top_k=0), FORCED, "path"), slow(HARD, FORCED, "path"), slow(HARD, GROUP_LOOKUP, "path"),
+    slow(HARD, LOOKUP, "path"), slow(HARD, BOTH, "independent"), (HARD, BOTH, "path")])
 def test_engine_stays_exact_with_reflex_on(settings, preset, kind, monkeypatch):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
     heads = noisy_heads(model, std=0.4, seed=1, kind=kind)

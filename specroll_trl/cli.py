@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeats", type=int, default=None, help="runs of each trainer, alternating (1 / 2)")
     demo.add_argument("--trainers", nargs="+", default=None, choices=["vanilla", "spec_static", "spec"],
                       help="vanilla GRPOTrainer, SpecGRPOTrainer with static heads, and with Reflex + slow path "
-                      "(default: all three)")
+                      "(smollm2: vanilla and spec, the main job's time; toys: all three)")
     demo.add_argument("--temperature", type=float, default=None, help="sampling temperature (0.7 / 1.0)")
     demo.add_argument("--prompts-per-step", type=int, default=1, help="prompts per step (x 8 completions)")
     demo.add_argument("--capacity", type=int, default=None,

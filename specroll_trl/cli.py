@@ -198,7 +198,7 @@ def _bench(args) -> int:
     records = bench_generation(args.model, batch_sizes=tuple(run["batch_sizes"]), repeats=run["repeats"],
                                max_new_tokens=run["max_new_tokens"], temperatures=tuple(run["temperatures"]),
                                max_nodes=args.max_nodes, fixed_nodes=tuple(args.fixed_nodes), rules=tuple(args.rules),
-                               unpacked=args.unpacked,
+                               unpacked=args.unpacked, online=args.online,
                                dtype=getattr(torch, args.dtype), device=args.device)
     print(format_table(records))
     if args.out:
@@ -332,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run spec and every fixed_N with the model's own linear kernels (<mode>_unpacked)")
     gen.add_argument("--fixed-nodes", type=int, nargs="*", default=[0, 2, 4, 8],
                      help="draft nodes per row of the fixed-tree modes (fixed_N; 0: the loop without drafting)")
+    gen.add_argument("--no-online", dest="online", action="store_false",
+                     help="leave out the online budget's arm (spec): generate against the fixed trees alone")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     gen.add_argument("--device", default="cpu", help="device (cpu, cuda)")
 

@@ -96,6 +96,13 @@ def test_bench_generation_quick_writes_spec_records(nano, tmp_path):
     assert out.with_suffix(".png").is_file()
 
 
+def test_generation_bench_without_the_online_arm_needs_another_arm():
+    from specroll_trl.experiments.bench import bench_generation
+
+    with pytest.raises(ValueError, match="nothing to compare with generate"):
+        bench_generation("nano", online=False, fixed_nodes=(), rules=())
+
+
 def test_generation_bench_rotates_which_arm_follows_generate(monkeypatch):
     """A fixed order put the same engine right after `generate` in every round: a slow spell spanning the two then
     flattered every other arm. Each round now starts one arm later."""

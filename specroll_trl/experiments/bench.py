@@ -46,17 +46,21 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
                      max_new_tokens: int = 256, temperatures: Sequence[float] = (0.7, 1.0), max_nodes: int = 16,
                      fixed_nodes: Sequence[int] = (0, 2, 4, 8), rules: Sequence[str] = (), task: str | None = None,
                      dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = True,
-                     unpacked: bool = False) -> list[dict]:
+                     unpacked: bool = False, online: bool = True) -> list[dict]:
     """One record per (temperature, batch size, mode): TRL's ``generate`` against the engine with the online node
     budget and its defaults (``spec``), with the online budget held to one verification rule (``spec_<rule>``, for
     each of ``rules``: ``top-k``, ``drawn``), with a fixed number of draft nodes per row (``fixed_N``; ``fixed_0`` is
     the engine's loop without drafting) and HF's prompt-lookup assisted decoding (``assisted_prompt_lookup``, batch
     1); with ``unpacked``, ``spec`` and every ``fixed_N`` also with the model's own linear kernels throughout
-    (``<mode>_unpacked``: ``pack_linears=False``, the engine before ``engine.kernels``). Each repeat
+    (``<mode>_unpacked``: ``pack_linears=False``, the engine before ``engine.kernels``); without ``online``, no ``spec``
+    arm (``generate`` against the fixed trees alone: every arm changes what the others share, the machine's caches
+    and the order of the rounds). Each repeat
     is one alternating round on its own prompts (a pretrained preset's: GSM8K-test chat prompts from row 1000 on,
     never used for its heads), the same prompts and seed for every mode; records hold medians and the spread over
     repeats. Each engine keeps its budget across calls, as in a training run, after one untimed warm-up call per
     batch size."""
+    if not (online or fixed_nodes or rules):
+        raise ValueError("nothing to compare with generate: online=False with no fixed_nodes and no rules")
     model, tokenizer = load_policy(model_name, progress=progress, dtype=dtype)  # may build it: outside no_grad
     heads = load_heads(model_name, progress=progress)
     model, heads = model.to(device), heads.to(device=device, dtype=dtype)
@@ -65,7 +69,7 @@ def bench_generation(model_name: str = DEFAULT_PRESET, batch_sizes=(1, 8, 32, 64
     records = []
     for temperature in temperatures:
         gc = trl_generation_config(model, tokenizer, max_new_tokens, temperature)
-        modes = {"spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes)}
+        modes = {"spec": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes)} if online else {}
         modes.update({f"spec_{rule}": SpeculativeGenerator(model, heads, gc, max_nodes=max_nodes, candidates=rule)
                       for rule in rules})
         modes.update({f"fixed_{n}": SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9)

@@ -43,7 +43,7 @@ def cut_after_eos(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def specroll_home(tmp_path_factory):
+def specroll_home():
     """The zoo cache the library uses: $SPECROLL_HOME, default ``~/.cache/specroll_trl``, so that the toy policies
     and heads a first run builds (``nano``: about 2 minutes) are reused by the next (CI points it at an empty
     folder and builds everything)."""

@@ -249,7 +249,8 @@ def nano_sampling_inputs(nano, num_prompts, seed, **generation):
     return prompts, ids, mask, gc
 
 
-@pytest.mark.parametrize("rule", [r if r == "drawn" else pytest.param(r, marks=pytest.mark.slow) for r in sorted(RULES)])
+@pytest.mark.parametrize("rule", [r if r == "drawn" else pytest.param(r, marks=pytest.mark.slow)
+                                  for r in sorted(RULES)])
 def test_mean_accepted_length_matches_tree_path_probability(nano, rule):
     model, _, heads = nano
     _, ids, mask, gc = nano_sampling_inputs(nano, 96, seed=779, temperature=1.0, max_new_tokens=96)

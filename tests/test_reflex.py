@@ -132,7 +132,8 @@ def slow(*case):
     return pytest.param(*case, marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("settings,preset,kind", [  # the fast lane: every preset kind and head kind once
+# the fast lane: the baseline, the group lookup and both presets together; each head kind
+@pytest.mark.parametrize("settings,preset,kind", [
     (dict(temperature=1.0, top_k=0), FORCED, "independent"), slow(HARD, FORCED, "independent"),
     (HARD, GROUP_LOOKUP, "independent"), slow(HARD, LOOKUP, "independent"),
     slow(dict(temperature=1.0, top_k=0), FORCED, "path"), slow(HARD, FORCED, "path"), slow(HARD, GROUP_LOOKUP, "path"),

@@ -5,10 +5,11 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from specroll_trl.engine.budget import FixedBudget, OnlineBudget, node_budget
+from specroll_trl.engine.budget import AcceptanceByWidth, FixedBudget, OnlineBudget, node_budget
 from specroll_trl.engine.generator import SpeculativeGenerator
 
-from .test_engine import generate_reference, nano_sampling_inputs
+from .conftest import make_model
+from .test_engine import generate_reference, nano_sampling_inputs, noisy_heads
 
 
 def test_fixed_budget_is_the_formula():
@@ -331,3 +332,53 @@ def test_online_budget_corrects_drawn_trees_that_overrate_wide_widths():
                              {"drawn": ACCEPT_DRAWN_T07_REALISED, "top-k": ACCEPT_TOPK_T07},
                              predicted=ACCEPT_DRAWN_T07_PREDICTED) for seed in range(10)]
     assert sum(rate / best for rate, best in rates) / len(rates) >= 0.965
+
+
+@pytest.mark.parametrize("rule", ["drawn", "top-k"])
+def test_one_step_prices_every_narrower_tree(rule):
+    """What the engine reports to the budget for a 4-node step, its expected accepted nodes per row for the tree cut
+    to its best 1 / 2 nodes, is what 1- and 2-node steps realise (first steps of calls from the same prompts, so both
+    see the same states; the drawn trees' shape held at its prior, so a narrower tree is the wider one's prefix; no
+    end of sequence, which would cut a realised path that the expectation runs through)."""
+    model = make_model(vocab=12, hidden=32, scale=2.0, seed=3, eos=None, pad=0)
+    heads = noisy_heads(model, std=0.05, seed=2, kind="path")
+    gc = GenerationConfig(do_sample=True, max_new_tokens=8, pad_token_id=0, temperature=1.0, top_k=0)
+    ids = torch.tensor([[2, 3, 4], [5, 6, 2]] * 300)
+
+    def first_steps(num_nodes: int) -> list:
+        """Per call, the first step's read and its rows."""
+        engine = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=num_nodes, candidates=rule)
+        engine.acceptance.observe = lambda *args: None
+        reads, read = [], engine._read_step
+        engine._read_step = lambda *args: reads.append((read(*args), args[3].numel())) or reads[-1][0]
+        for seed in range(4):
+            torch.manual_seed(seed)
+            reads.append(None)
+            engine.generate(ids, torch.ones_like(ids))
+        return [reads[i + 1] for i, r in enumerate(reads) if r is None]
+
+    wide = first_steps(4)
+    assert all(len(read.accepted_by_width) == 5 and rows == len(ids) for read, rows in wide)
+    for width in (1, 2):
+        predicted = sum(read.accepted_by_width[width] for read, _ in wide) / len(wide)
+        narrow = first_steps(width)
+        realised = sum(read.accepted for read, _ in narrow) / (len(ids) * len(narrow))
+        same = 1e-5 if rule == "top-k" else 0.05  # the same seed drafts the same top-k tree, other drawn tokens
+        assert narrow[0][0].accepted_by_width == pytest.approx(wide[0][0].accepted_by_width[:width + 1], abs=same)
+        assert realised == pytest.approx(predicted, abs=4 * (width / (len(ids) * len(narrow))) ** 0.5), (width, rule)
+
+
+def test_a_step_measures_every_width_up_to_its_own():
+    """An expected acceptance by width (what the engine reports) counts at each width up to the step's; a mean
+    accepted count only at the step's width."""
+    acceptance = AcceptanceByWidth(max_nodes=8)
+    scores = torch.tensor([[0.9, 0.5, 0.3, 0.2]]).log()
+    acceptance.observe(4, [0.0, 0.8, 1.1, 1.3, 1.4], scores)
+    weight, realised, predicted = acceptance.width_accept
+    assert weight.tolist() == [0, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert realised[1:5].tolist() == pytest.approx([0.8, 1.1, 1.3, 1.4])
+    assert predicted[2] > predicted[1] > 0
+    acceptance.observe(2, 0.5, scores)
+    weight, realised, _ = acceptance.width_accept
+    assert weight[2] == pytest.approx(1 + acceptance.forget) and weight[1] == pytest.approx(acceptance.forget)
+    assert realised[2] == pytest.approx(1.1 * acceptance.forget + 0.5)

@@ -86,14 +86,21 @@ class AcceptanceByWidth:
         own = self.width_prior * self.gain
         return self.gain * (realised + own * pooled) / (predicted + own).clamp(min=1e-9)
 
-    def observe(self, num_nodes: int, accepted: float, path_scores: torch.Tensor) -> None:
+    def observe(self, num_nodes: int, accepted: float | list[float], path_scores: torch.Tensor) -> None:
+        """One step that drafted ``num_nodes`` per row: ``accepted``, the mean accepted nodes per row, or per width
+        ``0 .. num_nodes`` the expected accepted nodes per row of the step's tree cut to its best that many nodes (a
+        narrower tree is the wider one's best nodes, so one step measures every width up to its own); and the
+        log-scores of every candidate path ``[B, P]``."""
         k = min(self.max_nodes, path_scores.shape[-1])
         best = path_scores.double().topk(k, dim=-1).values.exp().cumsum(-1).mean(0).cpu()  # A(N) for N = 1..k
         curve = torch.cat([torch.zeros(1, dtype=torch.float64), best,
                            best[-1].expand(self.max_nodes - k)])  # no more candidates past k
         self.gain = 0.8 * self.gain + 0.2 * curve
         self.width_accept *= self.forget
-        self.width_accept[:, num_nodes] += torch.tensor([1.0, accepted, float(curve[num_nodes])], dtype=torch.float64)
+        realised = torch.as_tensor(accepted, dtype=torch.float64).reshape(-1)
+        widths = torch.arange(1, len(realised)) if len(realised) > 1 else torch.tensor([num_nodes])
+        realised = realised[1:] if len(realised) > 1 else realised
+        self.width_accept[:, widths] += torch.stack([torch.ones_like(realised), realised, curve[widths]])
 
 
 class NodeBudget:
@@ -140,10 +147,10 @@ class NodeBudget:
         ``prior_steps``, an optimistic estimate (``AcceptanceByWidth.accepted``)."""
         return self.by_rule[rule or self.rules[0]].accepted(prior_steps)
 
-    def observe(self, active_rows: int, num_nodes: int, seconds: float | None, accepted: float,
+    def observe(self, active_rows: int, num_nodes: int, seconds: float | None, accepted: float | list[float],
                 path_scores: torch.Tensor | None, rule: str | None = None) -> None:
-        """One step: its nodes per row, wall seconds (``None``: not a typical step's, not timed), mean accepted
-        draft nodes per row, (when it drafted) the ``[B, P]`` log-scores of every candidate path (what the tree was
+        """One step: its nodes per row, wall seconds (``None``: not a typical step's, not timed), its acceptance
+        (``AcceptanceByWidth.observe``), (when it drafted) the ``[B, P]`` log-scores of every candidate path (what the tree was
         chosen from) and its rule."""
         if path_scores is not None and num_nodes:
             rule = self._usable((rule or self.rules[0],))[0]  # may be one the budget was not built with

@@ -328,13 +328,28 @@ def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size:
 @dataclass
 class RejectionOutcome:
     """``accepted [B, D+1]`` (node indices of the accepted path, root first, ``-1`` past its end), ``next_root [B]``,
-    and per ``(depth, rank)`` the summed acceptance chances of the children tried (``alpha_sum``) and their number
-    (``tried``)."""
+    per ``(depth, rank)`` the summed acceptance chances of the children tried (``alpha_sum``) and their number
+    (``tried``), and ``reach [B, 1+N]``: each node's chance of being accepted given the drawn tokens (``node_reach``).
+    """
 
     accepted: torch.Tensor
     next_root: torch.Tensor
     alpha_sum: torch.Tensor
     tried: torch.Tensor
+    reach: torch.Tensor
+
+
+def node_reach(draft: DrawnDraft, alpha: torch.Tensor) -> torch.Tensor:
+    """``[B, 1+N]``: the chance that the walk reaches (accepts) each node, given the drawn tokens, from ``alpha [B, F,
+    w]``, ``rank_acceptance``'s chances at the nodes with children (indexed by ``draft.slot``). Its sum over the
+    nodes is the expected accepted length; over a prefix of the nodes (best first), that of the tree of that size:
+    one step prices every narrower tree at the variance of a conditional expectation, not of one walk."""
+    shape, tree = draft.shape, draft.tree
+    edge = torch.ones(tree.tokens.shape, dtype=torch.float64, device=alpha.device)
+    if tree.size > 1:
+        edge[:, 1:] = first_accepted(alpha.double())[:, draft.slot[shape.parent[1:]], shape.rank[1:]]
+    log_path = torch.bmm(tree.ancestors.double(), edge.clamp(min=TINY).log()[..., None]).squeeze(-1)
+    return log_path.exp()
 
 
 def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms: torch.Tensor) -> RejectionOutcome:
@@ -352,9 +367,8 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
     batch, device = probs.shape[0], probs.device
     rows = torch.arange(batch, device=device)
     width = max((w for _, w, _, _ in shape.levels), default=0)
-    if width:  # the nodes with children, in the order of the heads' q (`draft.slot`)
-        parents = torch.cat([frontier for frontier, _, _, _ in shape.levels]).expand(batch, -1)
-        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, parents, width), fixed)  # [B, F, w], [B, F, V'+1]
+    if width:
+        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, parents_of(shape, batch), width), fixed)
     current = torch.zeros(batch, dtype=torch.long, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     stop = current
@@ -387,18 +401,21 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
         off = inverse_cdf(outside, torch.rand(batch, dtype=torch.float64, device=probs.device))
         next_root = torch.where(next_root == draft.vocab.numel(), off, draft.vocab[next_root.clamp(
             max=draft.vocab.numel() - 1)])
-    return RejectionOutcome(torch.stack(path, 1), next_root, alpha_sum, tried)
+    reach = node_reach(draft, alpha) if width else torch.ones((batch, 1), dtype=torch.float64, device=device)
+    return RejectionOutcome(torch.stack(path, 1), next_root, alpha_sum, tried, reach)
+
+
+def parents_of(shape: TreeShape, batch: int) -> torch.Tensor:
+    """``[B, F]``: the nodes with children, in the order of the heads' ``q`` (``DrawnDraft.slot``)."""
+    return torch.cat([frontier for frontier, _, _, _ in shape.levels]).expand(batch, -1)
 
 
 def expected_accepted_drawn(draft: DrawnDraft, probs: torch.Tensor, fixed: int) -> torch.Tensor:
     """``[B]``: expected accepted draft nodes of the drawn trees under the target ``probs [B, 1+N, V]``, given the
-    drawn tokens: ``sum_v P(reach v)`` with each edge's chance from the rejection chain at its parent."""
-    shape, tree = draft.shape, draft.tree
-    nodes = torch.arange(probs.shape[1], device=probs.device).expand(probs.shape[0], -1)
-    p, q, kids = draft.chain_inputs(probs.double(), nodes)
+    drawn tokens: ``sum_v P(reach v)`` with each edge's chance from the rejection chain at its parent, computed in
+    float64 apart from the walk (a bias detector for it)."""
+    if draft.tree.size == 1:
+        return torch.zeros(probs.shape[0], dtype=torch.float64, device=probs.device)
+    p, q, kids = draft.chain_inputs(probs.double(), parents_of(draft.shape, probs.shape[0]))
     alpha, _ = rank_acceptance(p, q.double(), kids, fixed)
-    edge_of_rank = first_accepted(alpha)  # [B, n, K]
-    edge = torch.ones(tree.tokens.shape, dtype=torch.float64, device=probs.device)
-    edge[:, 1:] = edge_of_rank[:, shape.parent[1:], shape.rank[1:]]
-    log_path = torch.bmm(tree.ancestors.double(), edge.clamp(min=TINY).log()[..., None]).squeeze(-1)
-    return log_path[:, 1:].exp().sum(1)
+    return node_reach(draft, alpha)[:, 1:].sum(1)

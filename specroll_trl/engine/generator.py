@@ -41,6 +41,7 @@ from .verify import (
     cut,
     emit,
     expected_accepted,
+    path_probability,
 )
 
 logger = logging.getLogger(__name__)
@@ -274,13 +275,16 @@ class Verification:
 @dataclass
 class StepRead:
     """What the host reads of one step, all at once: the longest accepted path (root included) and the longest row
-    after it (the KV cache's bookkeeping), tokens committed, draft nodes accepted, and whether a row finished."""
+    after it (the KV cache's bookkeeping), tokens committed, draft nodes accepted, whether a row finished, and
+    (``accepted_by_width``, for the node budget) the expected accepted nodes per row of the step's tree cut to its
+    best ``0 .. N`` nodes (empty when nothing was drafted)."""
 
     width: int
     longest: int
     tokens: int
     accepted: int
     finished: bool
+    accepted_by_width: list[float]
 
 
 @contextmanager
@@ -592,10 +596,17 @@ class SpeculativeGenerator:
             outcome = rejection_walk(draft.drawn, verdict.probs, self.config.fixed_children, uniforms)
             self.acceptance.observe(outcome.alpha_sum, outcome.tried)
             step = cut(tree, outcome.accepted, outcome.next_root, state.eos, room)
+            reach = outcome.reach  # drawn trees list their nodes best first
         else:
             step = emit(tree, verdict.sampled, state.eos, room)
+            reach = None
+            if draft.num_nodes:
+                best_first = tree.path_scores.gather(1, tree.source[:, 1:]).argsort(1, descending=True)
+                reach = path_probability(tree, verdict.probs)[:, 1:].gather(1, best_first)
+                reach = torch.cat([torch.ones_like(reach[:, :1]), reach], 1)
         num_acc = (step.accepted >= 0).sum(1)  # the root included
-        host = self._read_step(state, verdict, step, num_acc)
+        by_width = None if reach is None else torch.cat([reach.new_zeros(1), reach[:, 1:].sum(0).cumsum(0)]) / len(rows)
+        host = self._read_step(state, verdict, step, num_acc, by_width)
         dest = state.done_len[rows][:, None] + torch.arange(step.tokens.shape[1], device=rows.device)[None]
         state.completion[rows[:, None], dest] = step.tokens  # past `count`: scratch, overwritten by the next step
         if state.logprobs is not None:  # token j was sampled from the logits at accepted node j
@@ -611,15 +622,20 @@ class SpeculativeGenerator:
                             finished=step.finished, hidden=state.hidden, proposed=proposed,
                             next_root=step.next_root), host
 
-    def _read_step(self, state: DecodeState, verdict: Verification, step: Emission, num_acc: torch.Tensor) -> StepRead:
+    def _read_step(self, state: DecodeState, verdict: Verification, step: Emission, num_acc: torch.Tensor,
+                   by_width: torch.Tensor | None) -> StepRead:
         """The step's few numbers the host needs, in one device-to-host read; raises on non-finite logits before
         anything of the step is committed."""
-        width, longest, tokens, accepted, finished, finite = torch.stack([
+        counts = torch.stack([
             num_acc.max(), (state.kv.lengths + num_acc).max(), step.count.sum(), num_acc.sum() - num_acc.numel(),
-            step.finished.any().long(), verdict.finite.all().long()]).tolist()
+            step.finished.any().long(), verdict.finite.all().long()])
+        if by_width is not None:  # exact in float64: the counts are far below 2 ** 53
+            counts = torch.cat([counts.double(), by_width.double()])
+        read = counts.tolist()
+        width, longest, tokens, accepted, finished, finite = (int(v) for v in read[:6])
         if not finite:
             self._check_finite(verdict.logits, state.steps, state.rows)
-        return StepRead(width, longest, tokens, accepted, bool(finished))
+        return StepRead(width, longest, tokens, accepted, bool(finished), read[6:])
 
     def _count(self, state: DecodeState, stats: GenerationStats, draft: Draft, verdict: Verification,
                step: Emission, num_acc: torch.Tensor, host: StepRead) -> None:
@@ -645,12 +661,11 @@ class SpeculativeGenerator:
         typical one, would be the only sample of its width for a while and keep the budget from drafting it)."""
         if start is not None and step.count.is_cuda:
             torch.cuda.synchronize()
-        accepted = host.accepted / step.count.numel()
         scores = draft.tree.path_scores
         if draft.drawn is not None:  # every width's tree is a prefix of the widest one's
             scores = self.acceptance.shape(self.config.max_nodes, scores.device).log_reach[None, 1:]
         seconds = None if start is None else time.perf_counter() - start
-        self.budget.observe(step.count.numel(), draft.num_nodes, seconds, accepted, scores, draft.rule)
+        self.budget.observe(step.count.numel(), draft.num_nodes, seconds, host.accepted_by_width, scores, draft.rule)
 
     def _retire(self, state: DecodeState, step: StepFeedback, verdict: Verification, host: StepRead) -> None:
         """Advance every row to its next root (and the hidden state that produced it); drop finished rows."""

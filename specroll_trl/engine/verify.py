@@ -194,18 +194,23 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, at, right=True).squeeze(1).clamp(max=weights.shape[-1] - 1)
 
 
+def path_probability(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
+    """``[B, n]``: ``P(path to v)`` under the target ``probs [B, n, V]``, the chance that sample-then-match accepts
+    node ``v`` (every edge on its path matches; the root: 1)."""
+    rows = torch.arange(probs.shape[0], device=probs.device)[:, None]
+    edge = probs[rows, tree.parent.clamp(min=0), tree.tokens]  # p_parent(v)(token_v), [B, n]
+    log_edge = edge.clamp(min=1e-30).log()
+    log_edge[:, 0] = 0.0  # the root is always committed
+    return torch.bmm(tree.ancestors.float(), log_edge[..., None]).squeeze(-1).exp()
+
+
 def expected_accepted(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
     """``[B]``: expected number of accepted draft nodes, ``sum_v P(path to v)``, under the target ``probs [B, n, V]``.
 
     The sample-then-match walk accepts node ``v`` exactly when every edge on its path matches, so this is
     the expectation of the realised accepted length; a lossy or biased verifier drifts away from it.
     """
-    rows = torch.arange(probs.shape[0], device=probs.device)[:, None]
-    edge = probs[rows, tree.parent.clamp(min=0), tree.tokens]  # p_parent(v)(token_v), [B, n]
-    log_edge = edge.clamp(min=1e-30).log()
-    log_edge[:, 0] = 0.0  # the root is always committed
-    log_path = torch.bmm(tree.ancestors.float(), log_edge[..., None]).squeeze(-1)
-    return log_path[:, 1:].exp().sum(1)
+    return path_probability(tree, probs)[:, 1:].sum(1)
 
 
 def match_tree(tree: DraftTree, sampled: torch.Tensor) -> torch.Tensor:

@@ -247,13 +247,10 @@ class OnlineBudget(NodeBudget):
         nodes = torch.arange(self.max_nodes + 1, dtype=torch.float64)
         bucket = self._bucket(active_rows)
         fit = self.fits.get(bucket)
-        prior = torch.tensor([1.0, self.prior_draft_cost, active_rows / self.prior_capacity], dtype=torch.float64)
+        prior = self._prior(active_rows)
         if fit is None:
             return self._features(nodes) @ prior
-        gram, moment = fit
-        scale = moment[0] / gram[0, 0]  # mean measured seconds: the prior acts in those units
-        ridge = 1e-2 * torch.eye(3, dtype=torch.float64)
-        model = (self._features(nodes) @ torch.linalg.solve(gram + ridge, moment + ridge @ (prior * scale)))
+        model = self._features(nodes) @ self._line(fit, prior)
         weight, seconds = self.width_seconds[bucket]
         seen = (weight > 0).nonzero().squeeze(1)
         if len(seen) > 1:
@@ -267,6 +264,30 @@ class OnlineBudget(NodeBudget):
                 chord = means[-1] + (nodes - seen[-1]) * (means[-1] - means[0]).clamp(min=0) / seen[-1]
                 model = torch.where(nodes > seen[-1], torch.maximum(model, chord), model)
         return ((seconds + self.trust * model.clamp(min=1e-9)) / (weight + self.trust)).clamp(min=1e-9)
+
+    @staticmethod
+    def _line(fit: tuple[torch.Tensor, torch.Tensor], prior: torch.Tensor) -> torch.Tensor:
+        """``[a, d, b]`` fitted to one bucket's steps, shrunk towards ``prior`` (relative to a plain step)."""
+        gram, moment = fit
+        scale = moment[0] / gram[0, 0]  # mean measured seconds: the prior acts in those units
+        ridge = 1e-2 * torch.eye(3, dtype=torch.float64)
+        return torch.linalg.solve(gram + ridge, moment + ridge @ (prior * scale))
+
+    def _prior(self, active_rows: int) -> torch.Tensor:
+        """``[a, d, b]`` relative to a plain step (``a = 1``) for a bucket of ``active_rows``: the line measured at the
+        nearest other bucket (the one of more rows between two as near: on CPU a node costs a larger share of a step
+        with more rows, so a borrowed line errs towards drafting less), else ``prior_capacity``'s. A bucket met late
+        in a call (the last rows of a batch) then starts from what the batch measured, not from wide trees: at
+        eight rows, two threads, the prior's 6-12 node trees were a call's last steps, call after call."""
+        own = self._bucket(active_rows)
+        prior = torch.tensor([1.0, self.prior_draft_cost, active_rows / self.prior_capacity], dtype=torch.float64)
+        others = [b for b in self.fits if b != own]
+        if not others:
+            return prior
+        near = min(others, key=lambda b: (abs(b.bit_length() - own.bit_length()), -b))
+        line = self._line(self.fits[near], torch.tensor([1.0, self.prior_draft_cost, near / self.prior_capacity],
+                                                        dtype=torch.float64))
+        return (line / line[0].clamp(min=1e-12)).clamp(min=0.0).index_fill(0, torch.tensor([0]), 1.0)
 
     def plan(self, active_rows: int, rules: tuple[str, ...] | None = None) -> tuple[str, int]:
         rules = self._usable(rules)

@@ -382,3 +382,18 @@ def test_a_step_measures_every_width_up_to_its_own():
     weight, realised, _ = acceptance.width_accept
     assert weight[2] == pytest.approx(1 + acceptance.forget) and weight[1] == pytest.approx(acceptance.forget)
     assert realised[2] == pytest.approx(1.1 * acceptance.forget + 0.5)
+
+
+def test_a_new_bucket_starts_from_the_costs_of_the_nearest_one_measured():
+    """Rows leaving a batch open smaller buckets late in a call: they start from what the batch measured (here a node
+    costs a quarter of a plain step: 2 nodes are best), not from the prior's cheap nodes (4-5 nodes)."""
+    budget = OnlineBudget(max_nodes=16, rules=("drawn",), explore=0.0)
+    curve = 0.6 ** torch.arange(1, 65, dtype=torch.float64)  # the j-th node's acceptance
+    for _ in range(60):
+        rule, n = budget.plan(8)
+        budget.observe(8, n, 1.0 + 0.25 * n, float(curve[:n].sum()), curve.log()[None] if n else None, rule)
+    assert budget.plan(8)[1] == 2
+    assert budget.plan(3)[1] == 2
+    budget.fits.clear()  # the same acceptance, no costs measured anywhere: the prior's
+    budget.pooled.clear()
+    assert budget.plan(3)[1] >= 4

@@ -4,14 +4,18 @@
 
 * cost: per batch-size bucket, the step's wall time against draft nodes per row ``N``,
   ``t(B, N) = a + d [N > 0] + b N`` (``d``: the draft itself, heads and their vocabulary projection), fitted by
-  exponentially weighted least squares on measured steps, starting from a prior that makes the first step draft,
-  plus each verification rule's own mean excess over it (top-k trees grow wider frontiers than drawn ones: at one
-  row a 4-node top-k draft took 11.3 ms, a drawn one 6.5);
+  exponentially weighted least squares on measured steps, starting from a prior that makes the first step draft
+  (or, for a bucket met after another, from the line measured at the nearest one), plus each verification rule's
+  own mean excess over it (top-k trees grow wider frontiers than drawn ones: at one row a 4-node top-k draft took
+  11.3 ms, a drawn one 6.5);
 * gain: expected committed tokens per row ``g(N) = 1 + k_N A(N)``, where ``A(N)`` is the mean over rows of the best
   ``N`` path scores of the tree (each node's estimated acceptance, summed: the heads' own probabilities for top-k
   trees, reach probabilities under the measured acceptance by depth and rank for drawn ones) and ``k_N`` the observed
   ratio of realised to predicted accepted nodes at width ``N`` (or the nearest width drafted), kept per verification
-  rule (``AcceptanceByWidth``);
+  rule (``AcceptanceByWidth``). "Realised" is what the engine reports for every width up to the step's own: the
+  expected accepted nodes of the step's tree cut to its best ``1 .. N`` nodes, given the drafted tokens and the
+  target's distributions (a narrower tree is the wider one's best nodes), which one step measures without the
+  variance of one accept-or-reject walk;
 * the cost of a width already measured is mostly its own mean step time, the fit filling in the others;
 * each step takes the rule and width of ``argmax g(N) / t(B, N)`` (committed tokens per second), and now and then a
   neighbouring width, a plain step or the other rule, so that what is not chosen keeps being measured (the less

@@ -154,8 +154,8 @@ class NodeBudget:
     def observe(self, active_rows: int, num_nodes: int, seconds: float | None, accepted: float | list[float],
                 path_scores: torch.Tensor | None, rule: str | None = None) -> None:
         """One step: its nodes per row, wall seconds (``None``: not a typical step's, not timed), its acceptance
-        (``AcceptanceByWidth.observe``), (when it drafted) the ``[B, P]`` log-scores of every candidate path (what the tree was
-        chosen from) and its rule."""
+        (``AcceptanceByWidth.observe``), (when it drafted) the ``[B, P]`` log-scores of every candidate path (what the
+        tree was chosen from) and its rule."""
         if path_scores is not None and num_nodes:
             rule = self._usable((rule or self.rules[0],))[0]  # may be one the budget was not built with
             self.by_rule[rule].observe(num_nodes, accepted, path_scores)

@@ -596,16 +596,15 @@ class SpeculativeGenerator:
             outcome = rejection_walk(draft.drawn, verdict.probs, self.config.fixed_children, uniforms)
             self.acceptance.observe(outcome.alpha_sum, outcome.tried)
             step = cut(tree, outcome.accepted, outcome.next_root, state.eos, room)
-            reach = outcome.reach  # drawn trees list their nodes best first
+            reach = outcome.reach[:, 1:]  # each draft node's chance of acceptance; drawn trees list them best first
         else:
             step = emit(tree, verdict.sampled, state.eos, room)
             reach = None
             if draft.num_nodes:
                 best_first = tree.path_scores.gather(1, tree.source[:, 1:]).argsort(1, descending=True)
                 reach = path_probability(tree, verdict.probs)[:, 1:].gather(1, best_first)
-                reach = torch.cat([torch.ones_like(reach[:, :1]), reach], 1)
         num_acc = (step.accepted >= 0).sum(1)  # the root included
-        by_width = None if reach is None else torch.cat([reach.new_zeros(1), reach[:, 1:].sum(0).cumsum(0)]) / len(rows)
+        by_width = None if reach is None else torch.cat([reach.new_zeros(1), reach.sum(0).cumsum(0)]) / len(rows)
         host = self._read_step(state, verdict, step, num_acc, by_width)
         dest = state.done_len[rows][:, None] + torch.arange(step.tokens.shape[1], device=rows.device)[None]
         state.completion[rows[:, None], dest] = step.tokens  # past `count`: scratch, overwritten by the next step

@@ -51,7 +51,11 @@ class AcceptanceByWidth:
         max_nodes: ``N_max``.
         prior_accept: before any tree was seen, the acceptance of the ``j``-th best node is
             ``prior_accept ** log2(j + 1)``.
-        forget: weight kept by older measurements at each new one.
+        forget: weight kept by older measurements at each drafted step, whichever rule drafted it (``fade``): a
+            rule left alone ages too (a drawn rule's ratio drifts back to its trees' estimate), so that a few
+            unlucky steps do not price it for good (three drawn steps that accepted nothing, an engine's warm-up on
+            a truncated prompt, priced drawn trees at a third of what they accept; while top-k trees drafted, that
+            evidence never aged and at one row, one thread, T=0.7, the budget drafted no drawn tree again).
         per_width: one ratio per width, the nearest width's for one not drafted (top-k trees, priced by the heads'
             own probabilities), or each width's own ratio shrunk towards one ratio pooled over all widths by
             ``width_prior`` steps' worth, the pooled one shrunk towards 1 by two steps' worth of belief in the trees
@@ -90,6 +94,10 @@ class AcceptanceByWidth:
         own = self.width_prior * self.gain
         return self.gain * (realised + own * pooled) / (predicted + own).clamp(min=1e-9)
 
+    def fade(self) -> None:
+        """A drafted step went by: older evidence weighs ``forget`` times less."""
+        self.width_accept *= self.forget
+
     def observe(self, num_nodes: int, accepted: float | list[float], path_scores: torch.Tensor) -> None:
         """One step that drafted ``num_nodes`` per row: ``accepted``, the mean accepted nodes per row, or per width
         ``0 .. num_nodes`` the expected accepted nodes per row of the step's tree cut to its best that many nodes (a
@@ -100,7 +108,6 @@ class AcceptanceByWidth:
         curve = torch.cat([torch.zeros(1, dtype=torch.float64), best,
                            best[-1].expand(self.max_nodes - k)])  # no more candidates past k
         self.gain = 0.8 * self.gain + 0.2 * curve
-        self.width_accept *= self.forget
         realised = torch.as_tensor(accepted, dtype=torch.float64).reshape(-1)
         widths = torch.arange(1, len(realised)) if len(realised) > 1 else torch.tensor([num_nodes])
         realised = realised[1:] if len(realised) > 1 else realised
@@ -158,6 +165,8 @@ class NodeBudget:
         tree was chosen from) and its rule."""
         if path_scores is not None and num_nodes:
             rule = self._usable((rule or self.rules[0],))[0]  # may be one the budget was not built with
+            for acceptance in self.by_rule.values():
+                acceptance.fade()
             self.by_rule[rule].observe(num_nodes, accepted, path_scores)
 
     @property

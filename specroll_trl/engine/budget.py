@@ -51,15 +51,16 @@ class AcceptanceByWidth:
         max_nodes: ``N_max``.
         prior_accept: before any tree was seen, the acceptance of the ``j``-th best node is
             ``prior_accept ** log2(j + 1)``.
-        forget: weight kept by older measurements at each drafted step, whichever rule drafted it (``fade``): a
-            rule left alone ages too (a drawn rule's ratio drifts back to its trees' estimate), so that a few
-            unlucky steps do not price it for good (three drawn steps that accepted nothing, an engine's warm-up on
-            a truncated prompt, priced drawn trees at a third of what they accept; while top-k trees drafted, that
-            evidence never aged and at one row, one thread, T=0.7, the budget drafted no drawn tree again).
+        forget: weight kept by older measurements at each new one.
         per_width: one ratio per width, the nearest width's for one not drafted (top-k trees, priced by the heads'
             own probabilities), or each width's own ratio shrunk towards one ratio pooled over all widths by
             ``width_prior`` steps' worth, the pooled one shrunk towards 1 by two steps' worth of belief in the trees
-            (drawn trees, priced by the acceptance measured by depth and rank, nearly calibrated already). With
+            (drawn trees, priced by the acceptance measured by depth and rank, nearly calibrated already). The
+            pooled ratio's weight is counted in steps, not in the widths they report: a step reports every width up
+            to its own, and counted by width, three 16-node steps on a truncated prompt (an engine's warm-up) that
+            accepted a third of what their trees predicted outweighed the two steps' belief some fifty-fold and
+            priced drawn trees at a third for good (at one row, one thread, T=0.7, the budget drafted top-k trees
+            only, at 0.80x of 2 drawn nodes every step). With
             ratios per width alone, one step with nothing accepted priced a width and its neighbours at nothing (at
             one row, two threads, the budget stopped drafting: 1.03x of ``generate`` where 2-4 nodes every step ran
             at 1.20-1.40x); with the pooled ratio alone, the reach overrated wide trees against narrow ones (one row,
@@ -75,6 +76,7 @@ class AcceptanceByWidth:
         nodes = torch.arange(1, max_nodes + 1, dtype=torch.float64)
         self.gain = torch.cat([torch.zeros(1, dtype=torch.float64), prior_accept ** torch.log2(nodes + 1)]).cumsum(0)
         self.width_accept = torch.zeros(3, max_nodes + 1, dtype=torch.float64)  # weight, realised, predicted
+        self.steps = 0.0  # steps observed (faded like the rest): the pooled ratio's weight
 
     def accepted(self, prior_steps: float = 0.0) -> torch.Tensor:
         """Per width, the trees' estimate times the realised / predicted ratio measured at that width (or the nearest
@@ -90,13 +92,10 @@ class AcceptanceByWidth:
             nearest = seen[(nodes[:, None] - seen[None]).abs().argmin(1)]
             realised, predicted = realised[nearest], predicted[nearest]
             return self.gain * (realised + prior) / (predicted + prior).clamp(min=1e-9)
-        pooled = (realised.sum() + prior) / (predicted.sum() + prior).clamp(min=1e-9)
+        belief = self.prior_steps + prior_steps
+        pooled = (self.steps * realised.sum() / predicted.sum().clamp(min=1e-9) + belief) / (self.steps + belief)
         own = self.width_prior * self.gain
         return self.gain * (realised + own * pooled) / (predicted + own).clamp(min=1e-9)
-
-    def fade(self) -> None:
-        """A drafted step went by: older evidence weighs ``forget`` times less."""
-        self.width_accept *= self.forget
 
     def observe(self, num_nodes: int, accepted: float | list[float], path_scores: torch.Tensor) -> None:
         """One step that drafted ``num_nodes`` per row: ``accepted``, the mean accepted nodes per row, or per width
@@ -108,6 +107,8 @@ class AcceptanceByWidth:
         curve = torch.cat([torch.zeros(1, dtype=torch.float64), best,
                            best[-1].expand(self.max_nodes - k)])  # no more candidates past k
         self.gain = 0.8 * self.gain + 0.2 * curve
+        self.width_accept *= self.forget
+        self.steps = self.forget * self.steps + 1.0
         realised = torch.as_tensor(accepted, dtype=torch.float64).reshape(-1)
         widths = torch.arange(1, len(realised)) if len(realised) > 1 else torch.tensor([num_nodes])
         realised = realised[1:] if len(realised) > 1 else realised
@@ -165,8 +166,6 @@ class NodeBudget:
         tree was chosen from) and its rule."""
         if path_scores is not None and num_nodes:
             rule = self._usable((rule or self.rules[0],))[0]  # may be one the budget was not built with
-            for acceptance in self.by_rule.values():
-                acceptance.fade()
             self.by_rule[rule].observe(num_nodes, accepted, path_scores)
 
     @property

@@ -193,10 +193,10 @@ def test_online_budget_chooses_the_verification_rule_that_commits_more_and_follo
 
 def test_a_few_steps_weigh_as_many_steps_whatever_widths_they_report():
     """Drawn trees' pooled realised / predicted ratio is shrunk towards the trees by two steps' worth of belief.
-    Counted by width, three 16-node steps (each reporting 16 widths) that accepted a third of their prediction
-    outweighed that belief some fifty-fold: on an engine's warm-up (a truncated prompt) they priced drawn trees at a
-    third for good, and at one row, one thread, T=0.7, the budget drafted top-k trees only. Three steps now weigh
-    three steps, at any width."""
+    Summed over the widths they report, three 16-node steps of an engine's warm-up (a truncated prompt) that
+    accepted 0.30 of their prediction weighed 48 times that belief and priced drawn trees at 0.31 of their estimate:
+    at one row, one thread, T=0.7, the budget then drafted top-k trees only. Three steps now weigh three steps, at any
+    width."""
     scores = (0.6 ** torch.arange(1, 17, dtype=torch.float64)).log()[None]
     beliefs = {}
     for nodes in (1, 16):

@@ -52,20 +52,20 @@ class AcceptanceByWidth:
         prior_accept: before any tree was seen, the acceptance of the ``j``-th best node is
             ``prior_accept ** log2(j + 1)``.
         forget: weight kept by older measurements at each new one.
-        per_width: one ratio per width, the nearest width's for one not drafted (top-k trees, priced by the heads'
-            own probabilities), or each width's own ratio shrunk towards one ratio pooled over all widths by
-            ``width_prior`` steps' worth, the pooled one shrunk towards 1 by two steps' worth of belief in the trees
-            (drawn trees, priced by the acceptance measured by depth and rank, nearly calibrated already). The
-            pooled ratio's weight is counted in steps, not in the widths they report: a step reports every width up
-            to its own, and counted by width, three 16-node steps on a truncated prompt (an engine's warm-up) that
-            accepted a third of what their trees predicted outweighed the two steps' belief some fifty-fold and
-            priced drawn trees at a third for good (at one row, one thread, T=0.7, the budget drafted top-k trees
-            only, at 0.80x of 2 drawn nodes every step). With
-            ratios per width alone, one step with nothing accepted priced a width and its neighbours at nothing (at
-            one row, two threads, the budget stopped drafting: 1.03x of ``generate`` where 2-4 nodes every step ran
-            at 1.20-1.40x); with the pooled ratio alone, the reach overrated wide trees against narrow ones (one row,
-            T=0.7: 0.99 / 1.04 accepted at 5 / 6 nodes predicted, 0.80 / 0.85 realised; 0.68 at 2 predicted, 0.73
-            realised) and the budget drafted 5-6 nodes where 2 ran 10% faster.
+        per_width: one ratio per width, the nearest width's for one not drafted (top-k trees, priced by the heads' own
+            probabilities), or each width's own ratio shrunk towards one ratio pooled over all widths by ``width_prior``
+            steps' worth, the pooled one shrunk towards 1 by two steps' worth of belief in the trees (drawn trees,
+            priced by the acceptance measured by depth and rank, nearly calibrated already). The pooled ratio's weight
+            is counted in steps, not in the widths they report (a step reports every width up to its own): summed over
+            widths, three 16-node steps on a truncated prompt (an engine's warm-up) that accepted 0.30 of what their
+            trees predicted weighed 48 times the two steps' belief and priced drawn trees at 0.31 of their estimate (now
+            0.59); at one row, one thread, T=0.7, the budget then drafted top-k trees only, where 2 drawn nodes every
+            step ran 1.47x of ``generate`` against its 1.24x. With ratios per width alone, one step with nothing
+            accepted priced a width and its neighbours at nothing (at one row, two threads, the budget stopped drafting:
+            1.03x of ``generate`` where 2-4 nodes every step ran at 1.20-1.40x); with the pooled ratio alone, the reach
+            overrated wide trees against narrow ones (one row, T=0.7: 0.99 / 1.04 accepted at 5 / 6 nodes predicted,
+            0.80 / 0.85 realised; 0.68 at 2 predicted, 0.73 realised) and the budget drafted 5-6 nodes where 2 ran 10%
+            faster.
         width_prior: see ``per_width``.
     """
 

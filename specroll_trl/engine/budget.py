@@ -86,13 +86,12 @@ class AcceptanceByWidth:
         seen = (weight > 0).nonzero().squeeze(1)
         if not len(seen):
             return self.gain
-        prior = (self.prior_steps + prior_steps) * self.gain
+        belief = self.prior_steps + prior_steps  # steps' worth of belief in the trees' own estimate
         if self.per_width:
             nodes = torch.arange(self.max_nodes + 1)
             nearest = seen[(nodes[:, None] - seen[None]).abs().argmin(1)]
             realised, predicted = realised[nearest], predicted[nearest]
-            return self.gain * (realised + prior) / (predicted + prior).clamp(min=1e-9)
-        belief = self.prior_steps + prior_steps
+            return self.gain * (realised + belief * self.gain) / (predicted + belief * self.gain).clamp(min=1e-9)
         pooled = (self.steps * realised.sum() / predicted.sum().clamp(min=1e-9) + belief) / (self.steps + belief)
         own = self.width_prior * self.gain
         return self.gain * (realised + own * pooled) / (predicted + own).clamp(min=1e-9)

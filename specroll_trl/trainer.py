@@ -111,9 +111,11 @@ class SpecGRPOConfig(GRPOConfig):
         spec_fallback_to_generate (`bool`, *optional*, defaults to `True`):
             On a model the engine cannot run (e.g. FlashAttention-2 only), log and use `generate`.
         spec_pack_linears (`bool`, *optional*, defaults to `True`):
-            On CPU, compute the policy's float32 linear layers from weights packed once for oneDNN wherever the
-            engine's own forwards measure that faster (per bucket of query rows). A layer is packed at its first
-            packed call of each generation call (logged as `spec/pack_seconds`) and the copy dropped at its end.
+            On CPU, compute the policy's float32 linear layers from weights packed once for oneDNN, or with the
+            streamed kernel (weights read in place, up to 8 query rows; built once with the system's C++ compiler),
+            wherever the engine's own forwards measure that faster (per bucket of query rows). A layer is packed at
+            its first packed call of each generation call (logged as `spec/pack_seconds`) and the copy dropped at
+            its end.
 
     > Adaptation
 
@@ -147,7 +149,7 @@ class SpecGRPOConfig(GRPOConfig):
     spec_max_nodes: int = field(default=16, metadata={"help": "N_max: draft nodes per row per step."})
     spec_capacity: int | None = field(default=None, metadata={"help": "C_hw of the fixed budget; None: online."})
     spec_fallback_to_generate: bool = field(default=True, metadata={"help": "Unsupported model: use generate."})
-    spec_pack_linears: bool = field(default=True, metadata={"help": "CPU: packed linear kernels where faster."})
+    spec_pack_linears: bool = field(default=True, metadata={"help": "CPU: faster linear kernels, measured."})
     spec_reflex: str | None = field(default="lookup", metadata={"help": "Reflex preset name; None: off."})
     spec_reflex_kwargs: dict | str | None = field(default=None, metadata={"help": "Settings of the Reflex hooks."})
     spec_consolidation: bool = field(default=False, metadata={"help": "Enable the slow path."})

@@ -21,6 +21,7 @@ from specroll_trl.engine.kernels import (
     rows_bucket,
     siblings_shape,
 )
+from specroll_trl.engine.streamed import MAX_ROWS, streamed_kernel_available, streamed_linear
 
 from .conftest import left_padded, make_model
 from .test_engine import (
@@ -33,6 +34,7 @@ from .test_engine import (
 )
 
 pytestmark = pytest.mark.skipif(not packed_kernel_available(), reason="this torch build has no oneDNN")
+needs_streamed = pytest.mark.skipif(not streamed_kernel_available(), reason="no C++ compiler built the streamed kernel")
 
 
 class Always(dict):
@@ -73,6 +75,24 @@ def force_packed(monkeypatch, model) -> LinearKernels:
     kernels = kernels_of(model)
     choose(kernels, True)
     return kernels
+
+
+def force_streamed(monkeypatch, model) -> list[int]:
+    """Every forward of ``model`` through the streamed kernel, in chunks of its most rows (the proofs' worst case);
+    returns a list that counts its calls."""
+    calls = []
+
+    def chunked(x, weight, bias):
+        rows = x.reshape(-1, x.shape[-1])
+        calls.append(len(rows))
+        out = torch.cat([streamed_linear(chunk, weight, bias) for chunk in rows.split(MAX_ROWS)])
+        return out.view(*x.shape[:-1], -1)
+
+    monkeypatch.setattr(kernels_mod, "MAX_PACKED_ROWS", 1 << 20)
+    monkeypatch.setattr(kernels_mod, "MAX_STREAMED_ROWS", 1 << 20)
+    monkeypatch.setattr(kernels_mod, "streamed_linear", chunked)
+    kernels_of(model).choice = Always(kernels_mod.STREAMED)
+    return calls
 
 
 def logits(model, ids):
@@ -188,30 +208,43 @@ def slowed(calls: list, kernel, name: str, seconds):
     return run
 
 
-@pytest.mark.parametrize("slow", ["packed", "f_linear"])
-def test_each_layer_keeps_the_faster_kernel_per_bucket_of_rows(monkeypatch, slow):
-    """The forwards in a bucket alternate the two kernels for a weight shape's layers until each has run ``TRIALS``
-    forwards; the faster is kept from then on by every layer of that shape."""
-    calls = []
-    delay = lambda name: 0.01 if name == slow else 0  # far above either kernel on a loaded machine  # noqa: E731
+def slow_but(monkeypatch, fast: str, calls: list, seconds: float = 0.01) -> None:
+    """Every kernel records its calls in ``calls``; all but ``fast`` sleep ``seconds`` first."""
+    delay = lambda name: 0 if name == fast else seconds  # noqa: E731
     monkeypatch.setattr(kernels_mod, "packed_linear", slowed(calls, kernels_mod.packed_linear, "packed", delay))
+    monkeypatch.setattr(kernels_mod, "streamed_linear", slowed(calls, kernels_mod.streamed_linear, "streamed", delay))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(calls, F.linear, "f_linear", delay)))
+
+
+KERNEL_NAMES = {kernels_mod.LINEAR: "f_linear", kernels_mod.PACKED: "packed", kernels_mod.STREAMED: "streamed"}
+
+
+@pytest.mark.parametrize("fast", [pytest.param(name, marks=needs_streamed) if name == "streamed" else name
+                                  for name in KERNEL_NAMES.values()])
+def test_each_layer_keeps_the_fastest_kernel_per_bucket_of_rows(monkeypatch, fast):
+    """The forwards in a bucket take the kernels in turn for a weight shape's layers until each has run ``TRIALS``
+    forwards; the fastest is kept from then on by every layer of that shape."""
+    calls = []
+    slow_but(monkeypatch, fast, calls)  # 10 ms: far above any kernel here on a loaded machine
     model = make_model()
     ids = torch.randint(0, 32, (1, 3))
     kernels = learnt(model)
     layers, shapes = len(kernels.modules), len(shapes_of(kernels))
     assert shapes < len(kernels.units()) < layers  # the two decoder layers share their shapes
+    candidates = kernels.candidates(3)
     with kernels.active():
-        for _ in range(2 * TRIALS + 1):
+        for _ in range(len(candidates) * TRIALS + 1):
             with kernels.forward(3):
                 logits(model, ids)
-        assert kernels.choice == {(s, 3): slow == "f_linear" for s in shapes_of(kernels)}
-        assert {len(t) for pair in kernels.trials.values() for t in pair} == {TRIALS}  # each shape once, not each layer
+        kept = next(k for k, name in KERNEL_NAMES.items() if name == fast)
+        assert kernels.choice == {(s, 3): kept for s in shapes_of(kernels)}
+        # each shape once, not each layer
+        assert {len(kernels.trials[key][k]) for key in kernels.trials for k in candidates} == {TRIALS}
         calls.clear()
         with kernels.forward(3):
             logits(model, ids)
         # packed: one product per layer alone or siblings together
-        assert calls == (["packed"] * len(kernels.units()) if slow == "f_linear" else ["f_linear"] * layers)
+        assert calls == [fast] * (len(kernels.units()) if fast == "packed" else layers)
         with kernels.forward(2):  # another bucket: measured anew
             logits(model, ids[:, :2])
         with kernels.forward(10**6):  # past MAX_PACKED_ROWS: F.linear, nothing measured
@@ -242,10 +275,12 @@ def test_a_packed_forward_is_timed_only_on_copies_packed_in_an_earlier_forward(m
     monkeypatch.setattr(kernels_mod.torch.ops, "mkldnn",
                         SimpleNamespace(_reorder_linear_weight=packing, _linear_pointwise=pointwise))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed([], F.linear, "f_linear", lambda _: 0.005)))
+    monkeypatch.setattr(kernels_mod, "streamed_linear",
+                        slowed([], kernels_mod.streamed_linear, "streamed", lambda _: 0.03))
     model = make_model(layers=2)
     kernels = learnt(model)
     with kernels.active():
-        for _ in range(2 * TRIALS + 1):
+        for _ in range(len(kernels.candidates(5)) * TRIALS + 1):
             with kernels.forward(5):
                 logits(model, torch.randint(0, 32, (1, 5)))
     keys = {(shape, rows_bucket(5)) for shape in shapes_of(kernels)}
@@ -259,20 +294,24 @@ def test_every_layer_of_a_shape_runs_one_kernel_in_a_forward_while_measured(monk
     last = []
     monkeypatch.setattr(kernels_mod, "packed_linear", slowed(last, kernels_mod.packed_linear, "packed", lambda _: 0))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(last, F.linear, "f_linear", lambda _: 0)))
+    monkeypatch.setattr(kernels_mod, "streamed_linear",
+                        slowed(last, kernels_mod.streamed_linear, "streamed", lambda _: 0))
     model = make_model(layers=4)
     kernels = learnt(model)
     used = []
     for module in kernels.modules:
         unit = siblings_shape(kernels.siblings.get(module, (module,)))
         module.register_forward_hook(lambda m, args, out, unit=unit: used[-1].setdefault(unit, set()).add(last[-1]))
+    candidates = kernels.candidates(3)
     with kernels.active():
-        for _ in range(2 * TRIALS + 1):
+        for _ in range(len(candidates) * TRIALS + 1):
             used.append({})
             with kernels.forward(3):
                 logits(model, torch.randint(0, 32, (1, 3)))
     assert kernels.choice.keys() == {(s, 3) for s in shapes_of(kernels)}  # all measured in these forwards
     assert all(len(kinds) == 1 for forward in used for kinds in forward.values())
-    assert {kind for forward in used for kinds in forward.values() for kind in kinds} == {"packed", "f_linear"}
+    assert {kind for forward in used for kinds in forward.values() for kind in kinds} == {
+        KERNEL_NAMES[k] for k in candidates}
 
 
 def test_drafting_layers_are_measured_apart_from_the_model_s_of_the_same_shape():
@@ -355,6 +394,47 @@ def test_sampling_is_exact_with_every_forward_packed(monkeypatch, rule):
     gc = GenerationConfig(do_sample=True, temperature=0.9, top_k=4, max_new_tokens=3, eos_token_id=1, pad_token_id=0)
     samples, stats = engine_samples(model, heads, gc, n_per_prompt=4000, seed=2, candidates=rule)
     assert stats.drafted_row_steps > 0 and len(kernels_of(model).units()) < len(kernels_of(model).modules)
+    for prompt, rows in zip(PROMPTS, samples):
+        assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
+
+
+@needs_streamed
+def test_streamed_kernel_matches_f_linear_to_float_rounding():
+    """Every row count it has code for, weights whose rows are not a multiple of its block or its vector width."""
+    torch.manual_seed(0)
+    for rows in range(1, MAX_ROWS + 1):
+        for out_features, in_features in [(576, 576), (33, 17), (7, 100), (1, 5), (50, 1536)]:
+            x = torch.randn(2, rows, in_features)[1]  # not contiguous
+            weight, bias = torch.randn(out_features, in_features) / in_features**0.5, torch.randn(out_features)
+            torch.testing.assert_close(streamed_linear(x, weight, bias), F.linear(x, weight, bias))
+            torch.testing.assert_close(streamed_linear(x[None], weight, None), F.linear(x[None], weight))
+    with pytest.raises(ValueError, match="1-8 float32 rows"):
+        streamed_linear(torch.randn(MAX_ROWS + 1, 4), torch.randn(3, 4), None)
+    with pytest.raises(ValueError, match="contiguous float32 CPU weight"):
+        streamed_linear(torch.randn(2, 4), torch.randn(4, 3).t(), None)
+
+
+@needs_streamed
+def test_greedy_identity_with_every_forward_streamed(monkeypatch):
+    model = make_model(vocab=40, scale=4.0, seed=3)
+    calls = force_streamed(monkeypatch, model)
+    heads = noisy_heads(model, std=0.3, kind="path")
+    ids, mask = left_padded([[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]])
+    gc = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=1, pad_token_id=0)
+    out = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=6).generate(ids, mask)
+    assert out.completion_ids == generate_reference(model, ids, mask, gc)
+    assert kernels_of(model).trials == {} and len(calls) > 100 and max(calls) > MAX_ROWS  # chunked where wider
+
+
+@needs_streamed
+@pytest.mark.parametrize("rule", ["top-k", "drawn"])
+def test_sampling_is_exact_with_every_forward_streamed(monkeypatch, rule):
+    model = make_model(vocab=6, hidden=16, seed=11, scale=2.0)
+    calls = force_streamed(monkeypatch, model)
+    heads = noisy_heads(model, std=0.5, kind="path", num_heads=2)
+    gc = GenerationConfig(do_sample=True, temperature=0.9, top_k=4, max_new_tokens=3, eos_token_id=1, pad_token_id=0)
+    samples, stats = engine_samples(model, heads, gc, n_per_prompt=4000, seed=2, candidates=rule)
+    assert stats.drafted_row_steps > 0 and calls
     for prompt, rows in zip(PROMPTS, samples):
         assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
 

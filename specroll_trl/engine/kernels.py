@@ -1,15 +1,16 @@
 """``LinearKernels``: which kernel computes each of a model's linear layers in a forward over a given number of query
-rows.
+rows: ``F.linear``, the oneDNN-packed kernel or the streamed one (``engine/streamed.py``).
 
 A verification forward over a few query tokens is where a CPU BLAS pays most above what reading the weights costs:
 for more than one row ``F.linear`` runs a GEMM that repacks the weight on every call, so a forward over 3 tokens
 costs about 1.7x one token's although it reads the same weights (``benchmarks/README.md``, "A step at the
-weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count.
-Which is faster depends on the machine, the layer's shape and the row count (on these cores the packed
-``lm_head`` wins at every row count, the small decoder matrices lose at one row), so it is measured, never
-assumed, and in place: per weight shape and bucket of query rows, the engine's own forwards alternate the two kernels
-until each has run ``TRIALS`` forwards, then the faster (by median, by at least ``1 - MIN_GAIN``) computes every
-later call of every layer of that shape. Within one forward every layer of a shape runs the same kernel and the
+weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count; the
+streamed kernel reads the weight in place, row by row, once for up to 8 rows. Which is fastest depends on the
+machine, the layer's shape and the row count (on these cores the packed ``lm_head`` wins at every row count, the
+small decoder matrices lose at one row), so it is measured, never assumed, and in place: per weight shape and bucket
+of query rows, the engine's own forwards take the kernels in turn until each has run ``TRIALS`` forwards, then the
+fastest (by median; another than ``F.linear`` only if faster by at least ``1 - MIN_GAIN``) computes every later call
+of every layer of that shape. Within one forward every layer of a shape runs the same kernel and the
 forward's sample is their mean time per call: alternating the kernels call by call inside a forward timed each
 kernel on other layers and in a cache the other kernel's reads had just disturbed, and on a 2-core Xeon left 4-6 of
 30 choices on the kernel that runs up to 26% slower per call in steady state (``benchmarks/README.md``, "The kernels'
@@ -17,15 +18,15 @@ choice measured forward by forward"). A packed forward counts only when every co
 in an earlier forward: one packed just before its call is still in cache, where in steady state the copy streams
 from memory like the weight does. The drafting side's layers are measured apart from the model's, even where their
 shapes agree: a head's few small weights stay in cache from step to step, a decoder's stream from memory. No
-forward is spent on measuring: a new bucket settles within ``2 * TRIALS + 1`` of the forwards that use it.
+forward is spent on measuring: a new bucket settles within ``kernels * TRIALS + 1`` of the forwards that use it.
 
 Layers a forward calls one after another on the same input tensor (a block's query, key and value projections, an
 MLP's gate and up projections: *siblings*, learnt from the calls of the first forward a ``LinearKernels`` sees, the
 engine's prefill) are one unit of the choice: packed, their weights are stacked into one matrix and computed as one
 product, whose slices the later siblings return when they are called on that very tensor (same object, same version;
-otherwise one computes alone); ``F.linear`` computes each as the model does. On a 2-core Xeon the 210 decoder
-linears of SmolLM2 ran packed in one product per set of siblings 5-15% faster than packed one by one at 1-17 rows
-(``benchmarks/README.md``, "Siblings in one product").
+otherwise one computes alone); ``F.linear`` and the streamed kernel compute each alone, as the model does. On a
+2-core Xeon the 210 decoder linears of SmolLM2 ran packed in one product per set of siblings 5-15% faster than
+packed one by one at 1-17 rows (``benchmarks/README.md``, "Siblings in one product").
 
 A layer's weight is packed at its first packed call of a generation call and the copy dropped when the call
 ends, so generation always reads the parameters the trainer updated (a weight's version counter is no witness:
@@ -33,8 +34,8 @@ trainers update parameters through ``.data``, which does not move it), layers wh
 no packing, and between calls (while the trainer trains) no copy takes memory; the time spent packing is counted
 (``pack_seconds``). Only plain ``nn.Linear`` modules with whole (unsharded) float32 weights on CPU whose ``forward``
 nobody replaced (accelerate's hooks, PEFT's wrappers keep theirs; a LoRA layer's base ``nn.Linear`` takes part) are
-candidates, and only where oneDNN is built in: elsewhere (a GPU, ZeRO-3, FSDP) every forward
-computes as the model does. During a generation call the packed copies double those weights' memory.
+candidates, and only where oneDNN is built in or the streamed kernel was built: elsewhere (a GPU, ZeRO-3, FSDP) every
+forward computes as the model does. During a generation call the packed copies double those weights' memory.
 
 The drafting side takes part the same way for one call (``adopt``): the heads' linears and their vocabulary
 projection (``VocabProjection.linear``, a draft vocabulary's rows of the ``lm_head``: at one row ``F.linear`` over
@@ -55,9 +56,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .streamed import MAX_ROWS as MAX_STREAMED_ROWS
+from .streamed import streamable, streamed_kernel_available, streamed_linear
+
+LINEAR, PACKED, STREAMED = 0, 1, 2  # the kernels, as ``LinearKernels.choice`` names them
 MAX_PACKED_ROWS = 256  # above this many query rows GEMM's own packing is amortised: F.linear, nothing measured
 TRIALS = 3  # forwards per kernel, per weight shape and bucket, before the choice is made
-MIN_GAIN = 0.95  # packed must be 5% faster to be chosen: a tie keeps the model's own kernel (and its rounding)
+MIN_GAIN = 0.95  # another kernel must be 5% faster to be chosen: a tie keeps the model's own (and its rounding)
 
 
 def packed_kernel_available() -> bool:
@@ -98,7 +103,7 @@ def siblings_shape(siblings: tuple[nn.Linear, ...], drafting: bool = False) -> t
 class Trial:
     """One shape's measurement in the forward running: its kernel there, and the time and number of its calls."""
 
-    packed: bool
+    kernel: int
     seconds: float = 0.0
     calls: int = 0
     spoiled: bool = False  # a copy was packed in this forward: it was read from cache
@@ -151,12 +156,13 @@ class SiblingFinder:
 
 class LinearKernels:
     """A model's eligible linear layers (and, for one generation call, those of modules it ``adopt``s), their packed
-    weights, and per weight shape and bucket of query rows the choice between ``F.linear`` and the packed kernel,
-    measured. Use ``with kernels.active():`` around a generation call and ``with kernels.forward(rows):`` around each
-    forward whose kernels are chosen by its rows. ``LinearKernels(None)`` leaves every layer alone."""
+    weights, and per weight shape and bucket of query rows the choice between ``F.linear``, the packed and the
+    streamed kernel, measured. Use ``with kernels.active():`` around a generation call and ``with
+    kernels.forward(rows):`` around each forward whose kernels are chosen by its rows. ``LinearKernels(None)`` leaves
+    every layer alone."""
 
     def __init__(self, model: nn.Module | None):
-        self.enabled = model is not None and packed_kernel_available()
+        self.enabled = model is not None and (packed_kernel_available() or streamed_kernel_available())
         self.modules = eligible_linears(model) if self.enabled else []
         self.adopted: list[nn.Linear] = []  # taking part in the running call only
         self.siblings: dict[nn.Linear, tuple[nn.Linear, ...]] | None = None  # None: not learnt yet
@@ -164,9 +170,9 @@ class LinearKernels:
         self.stash: dict[nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}  # input, its version, output
         self.packed: dict[tuple[nn.Linear, ...], Packed] = {}
         self.unit_shapes: dict[tuple[nn.Linear, ...], tuple] = {}  # the model's units -> their siblings_shape
-        self.trials: dict[tuple, tuple[list[float], list[float]]] = {}  # (shape, bucket) -> per forward, per kernel
+        self.trials: dict[tuple, tuple[list[float], ...]] = {}  # (shape, bucket) -> per kernel, per forward
         self.running_trials: dict[tuple, Trial] = {}  # in the forward running
-        self.choice: dict[tuple, bool] = {}  # (shape, bucket) -> packed wins
+        self.choice: dict[tuple, int] = {}  # (shape, bucket) -> the kernel kept (LINEAR, PACKED, STREAMED)
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.running = False
         self.pack_seconds = 0.0
@@ -200,6 +206,18 @@ class LinearKernels:
             self.stash[module] = (x, x._version, part.contiguous())  # a model may `.view` what its layer returns
         return parts[0].contiguous()
 
+    def candidates(self, bucket: int) -> list[int]:
+        """The kernels measured for a bucket of rows on this machine, ``F.linear`` first."""
+        return [LINEAR] + [PACKED] * packed_kernel_available() + [STREAMED] * (
+            bucket <= MAX_STREAMED_ROWS and streamed_kernel_available())
+
+    def _compute(self, kernel: int, module: nn.Linear, siblings: tuple[nn.Linear, ...], x: torch.Tensor):
+        if kernel == PACKED and siblings[0] is module:
+            return self._packed_product(siblings, x)
+        if kernel == STREAMED and x.numel() <= MAX_STREAMED_ROWS * x.shape[-1] and streamable(module.weight):
+            return streamed_linear(x, module.weight, module.bias)
+        return F.linear(x, module.weight, module.bias)
+
     def _forward(self, module: nn.Linear, drafting: bool = False):
         weight, bias = module.weight, module.bias
         alone = (module,)
@@ -219,33 +237,37 @@ class LinearKernels:
             if shape is None:  # once per unit of the model (drafting layers are rebuilt every call: not kept)
                 shape = self.unit_shapes[siblings] = siblings_shape(siblings)
             key = (shape, self.bucket)
-            packed = self.choice.get(key)
-            if packed is not None:
-                return self._packed_product(siblings, x) if packed and leads else F.linear(x, weight, bias)
+            kernel = self.choice.get(key)
+            if kernel is not None:
+                return self._compute(kernel, module, siblings, x)
             trial = self.running_trials.get(key)
             if trial is None:
-                times = self.trials.setdefault(key, ([], []))
-                trial = self.running_trials[key] = Trial(packed=len(times[1]) < len(times[0]))  # F.linear first
-            if trial.packed and not leads:  # its first sibling ran on another input: alone, untimed
+                times = self.trials.setdefault(key, tuple([] for _ in range(STREAMED + 1)))
+                turn = min(self.candidates(self.bucket), key=lambda k: len(times[k]))  # F.linear first
+                trial = self.running_trials[key] = Trial(turn)
+            if trial.kernel == PACKED and not leads:  # its first sibling ran on another input: alone, untimed
                 return F.linear(x, weight, bias)
-            trial.spoiled |= trial.packed and siblings not in self.packed
+            trial.spoiled |= trial.kernel == PACKED and siblings not in self.packed
             start = time.perf_counter()
-            out = self._packed_product(siblings, x) if trial.packed else F.linear(x, weight, bias)
+            out = self._compute(trial.kernel, module, siblings, x)
             trial.seconds += time.perf_counter() - start
-            trial.calls += leads  # a call: all the siblings, one product packed or one F.linear each
+            trial.calls += leads  # a call: all the siblings, one product packed or one call each
             self.setup_calls += 1
             return out
 
         return forward
 
     def _settle(self) -> None:
-        """Fold the forward's trials into each shape's samples; choose where both kernels have ``TRIALS``."""
+        """Fold the forward's trials into each shape's samples; choose where every kernel has ``TRIALS``."""
         for key, trial in self.running_trials.items():
             times = self.trials[key]
             if not trial.spoiled:
-                times[trial.packed].append(trial.seconds / trial.calls)
-            if min(map(len, times)) >= TRIALS:
-                self.choice[key] = statistics.median(times[1]) < MIN_GAIN * statistics.median(times[0])
+                times[trial.kernel].append(trial.seconds / trial.calls)
+            candidates = self.candidates(key[1])
+            if min(len(times[k]) for k in candidates) >= TRIALS:
+                median = {k: statistics.median(times[k]) for k in candidates}
+                fastest = min(candidates, key=median.get)
+                self.choice[key] = fastest if median[fastest] < MIN_GAIN * median[LINEAR] else LINEAR
         self.running_trials.clear()
 
     @contextmanager

@@ -21,7 +21,7 @@ from specroll_trl.engine.kernels import (
     rows_bucket,
     siblings_shape,
 )
-from specroll_trl.engine.streamed import MAX_ROWS, streamed_kernel_available, streamed_linear
+from specroll_trl.engine.streamed import MAX_ROWS, streamed_kernel_available, streamed_linear, streamed_linears
 
 from .conftest import left_padded, make_model
 from .test_engine import (
@@ -82,15 +82,15 @@ def force_streamed(monkeypatch, model) -> list[int]:
     returns a list that counts its calls."""
     calls = []
 
-    def chunked(x, weight, bias):
+    def chunked(x, weights, biases):
         rows = x.reshape(-1, x.shape[-1])
         calls.append(len(rows))
-        out = torch.cat([streamed_linear(chunk, weight, bias) for chunk in rows.split(MAX_ROWS)])
-        return out.view(*x.shape[:-1], -1)
+        chunks = [streamed_linears(chunk, weights, biases) for chunk in rows.split(MAX_ROWS)]
+        return [torch.cat(parts).view(*x.shape[:-1], -1) for parts in zip(*chunks)]
 
     monkeypatch.setattr(kernels_mod, "MAX_PACKED_ROWS", 1 << 20)
     monkeypatch.setattr(kernels_mod, "MAX_STREAMED_ROWS", 1 << 20)
-    monkeypatch.setattr(kernels_mod, "streamed_linear", chunked)
+    monkeypatch.setattr(kernels_mod, "streamed_linears", chunked)
     kernels_of(model).choice = Always(kernels_mod.STREAMED)
     return calls
 
@@ -212,7 +212,7 @@ def slow_but(monkeypatch, fast: str, calls: list, seconds: float = 0.01) -> None
     """Every kernel records its calls in ``calls``; all but ``fast`` sleep ``seconds`` first."""
     delay = lambda name: 0 if name == fast else seconds  # noqa: E731
     monkeypatch.setattr(kernels_mod, "packed_linear", slowed(calls, kernels_mod.packed_linear, "packed", delay))
-    monkeypatch.setattr(kernels_mod, "streamed_linear", slowed(calls, kernels_mod.streamed_linear, "streamed", delay))
+    monkeypatch.setattr(kernels_mod, "streamed_linears", slowed(calls, kernels_mod.streamed_linears, "streamed", delay))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(calls, F.linear, "f_linear", delay)))
 
 
@@ -243,8 +243,8 @@ def test_each_layer_keeps_the_fastest_kernel_per_bucket_of_rows(monkeypatch, fas
         calls.clear()
         with kernels.forward(3):
             logits(model, ids)
-        # packed: one product per layer alone or siblings together
-        assert calls == [fast] * (len(kernels.units()) if fast == "packed" else layers)
+        # packed or streamed: one product per layer alone or siblings together
+        assert calls == [fast] * (layers if fast == "f_linear" else len(kernels.units()))
         with kernels.forward(2):  # another bucket: measured anew
             logits(model, ids[:, :2])
         with kernels.forward(10**6):  # past MAX_PACKED_ROWS: F.linear, nothing measured
@@ -275,8 +275,8 @@ def test_a_packed_forward_is_timed_only_on_copies_packed_in_an_earlier_forward(m
     monkeypatch.setattr(kernels_mod.torch.ops, "mkldnn",
                         SimpleNamespace(_reorder_linear_weight=packing, _linear_pointwise=pointwise))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed([], F.linear, "f_linear", lambda _: 0.005)))
-    monkeypatch.setattr(kernels_mod, "streamed_linear",
-                        slowed([], kernels_mod.streamed_linear, "streamed", lambda _: 0.03))
+    monkeypatch.setattr(kernels_mod, "streamed_linears",
+                        slowed([], kernels_mod.streamed_linears, "streamed", lambda _: 0.03))
     model = make_model(layers=2)
     kernels = learnt(model)
     with kernels.active():
@@ -294,8 +294,8 @@ def test_every_layer_of_a_shape_runs_one_kernel_in_a_forward_while_measured(monk
     last = []
     monkeypatch.setattr(kernels_mod, "packed_linear", slowed(last, kernels_mod.packed_linear, "packed", lambda _: 0))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(last, F.linear, "f_linear", lambda _: 0)))
-    monkeypatch.setattr(kernels_mod, "streamed_linear",
-                        slowed(last, kernels_mod.streamed_linear, "streamed", lambda _: 0))
+    monkeypatch.setattr(kernels_mod, "streamed_linears",
+                        slowed(last, kernels_mod.streamed_linears, "streamed", lambda _: 0))
     model = make_model(layers=4)
     kernels = learnt(model)
     used = []
@@ -400,18 +400,25 @@ def test_sampling_is_exact_with_every_forward_packed(monkeypatch, rule):
 
 @needs_streamed
 def test_streamed_kernel_matches_f_linear_to_float_rounding():
-    """Every row count it has code for, weights whose rows are not a multiple of its block or its vector width."""
+    """Every row count it has code for, weights whose rows are not a multiple of its block or its vector width, and
+    siblings in one call."""
     torch.manual_seed(0)
     for rows in range(1, MAX_ROWS + 1):
         for out_features, in_features in [(576, 576), (33, 17), (7, 100), (1, 5), (50, 1536)]:
-            x = torch.randn(2, rows, in_features)[1]  # not contiguous
+            x = torch.randn(in_features, rows).t()  # not contiguous
             weight, bias = torch.randn(out_features, in_features) / in_features**0.5, torch.randn(out_features)
             torch.testing.assert_close(streamed_linear(x, weight, bias), F.linear(x, weight, bias))
             torch.testing.assert_close(streamed_linear(x[None], weight, None), F.linear(x[None], weight))
-    with pytest.raises(ValueError, match="1-8 float32 rows"):
+    x, weights = torch.randn(3, 5, 40), [torch.randn(n, 40) / 40**0.5 for n in (40, 13, 13)]  # query, key, value
+    biases = [torch.randn(40), None, torch.randn(13)]
+    for out, weight, bias in zip(streamed_linears(x, weights, biases), weights, biases, strict=True):
+        torch.testing.assert_close(out, F.linear(x, weight, bias))
+    with pytest.raises(ValueError, match=f"1-{MAX_ROWS} float32 rows"):
         streamed_linear(torch.randn(MAX_ROWS + 1, 4), torch.randn(3, 4), None)
-    with pytest.raises(ValueError, match="contiguous float32 CPU weight"):
+    with pytest.raises(ValueError, match="contiguous float32 CPU"):
         streamed_linear(torch.randn(2, 4), torch.randn(4, 3).t(), None)
+    with pytest.raises(ValueError, match="of their width"):
+        streamed_linears(torch.randn(2, 4), [torch.randn(3, 4), torch.randn(3, 5)], [None, None])
 
 
 @needs_streamed

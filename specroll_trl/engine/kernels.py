@@ -5,7 +5,7 @@ A verification forward over a few query tokens is where a CPU BLAS pays most abo
 for more than one row ``F.linear`` runs a GEMM that repacks the weight on every call, so a forward over 3 tokens
 costs about 1.7x one token's although it reads the same weights (``benchmarks/README.md``, "A step at the
 weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count; the
-streamed kernel reads the weight in place, row by row, once for up to 8 rows. Which is fastest depends on the
+streamed kernel reads the weight in place, row by row, once for up to 16 rows. Which is fastest depends on the
 machine, the layer's shape and the row count (on these cores the packed ``lm_head`` wins at every row count, the
 small decoder matrices lose at one row), so it is measured, never assumed, and in place: per weight shape and bucket
 of query rows, the engine's own forwards take the kernels in turn until each has run ``TRIALS`` forwards, then the
@@ -24,9 +24,10 @@ Layers a forward calls one after another on the same input tensor (a block's que
 MLP's gate and up projections: *siblings*, learnt from the calls of the first forward a ``LinearKernels`` sees, the
 engine's prefill) are one unit of the choice: packed, their weights are stacked into one matrix and computed as one
 product, whose slices the later siblings return when they are called on that very tensor (same object, same version;
-otherwise one computes alone); ``F.linear`` and the streamed kernel compute each alone, as the model does. On a
-2-core Xeon the 210 decoder linears of SmolLM2 ran packed in one product per set of siblings 5-15% faster than
-packed one by one at 1-17 rows (``benchmarks/README.md``, "Siblings in one product").
+otherwise one computes alone); the streamed kernel computes them in one call too, reading each weight in place;
+``F.linear`` computes each as the model does. On a 2-core Xeon the 210 decoder linears of SmolLM2 ran packed in one
+product per set of siblings 5-15% faster than packed one by one at 1-17 rows (``benchmarks/README.md``, "Siblings
+in one product").
 
 A layer's weight is packed at its first packed call of a generation call and the copy dropped when the call
 ends, so generation always reads the parameters the trainer updated (a weight's version counter is no witness:
@@ -56,8 +57,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .streamed import MAX_MATRICES, streamable, streamed_kernel_available, streamed_linears
 from .streamed import MAX_ROWS as MAX_STREAMED_ROWS
-from .streamed import streamable, streamed_kernel_available, streamed_linear
 
 LINEAR, PACKED, STREAMED = 0, 1, 2  # the kernels, as ``LinearKernels.choice`` names them
 MAX_PACKED_ROWS = 256  # above this many query rows GEMM's own packing is amortised: F.linear, nothing measured
@@ -195,16 +196,20 @@ class LinearKernels:
             self.setup_calls += 1
         return packed
 
-    def _packed_product(self, siblings: tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
-        """The first sibling's output from one packed product over all of them; the others' wait in ``stash``."""
-        packed = self._packed(siblings)
-        out = packed_linear(x, packed.weight, packed.bias)
-        if len(siblings) == 1:
-            return out
-        parts = out.split(packed.widths, dim=-1)
+    def _product(self, kernel: int, siblings: tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
+        """The first sibling's output from one product over all of them, packed or streamed; the others' wait in
+        ``stash``."""
+        if kernel == PACKED:
+            packed = self._packed(siblings)
+            out = packed_linear(x, packed.weight, packed.bias)
+            if len(siblings) == 1:
+                return out
+            parts = [part.contiguous() for part in out.split(packed.widths, dim=-1)]  # a model may `.view` them
+        else:
+            parts = streamed_linears(x, [m.weight for m in siblings], [m.bias for m in siblings])
         for module, part in zip(siblings[1:], parts[1:]):
-            self.stash[module] = (x, x._version, part.contiguous())  # a model may `.view` what its layer returns
-        return parts[0].contiguous()
+            self.stash[module] = (x, x._version, part)
+        return parts[0]
 
     def candidates(self, bucket: int) -> list[int]:
         """The kernels measured for a bucket of rows on this machine, ``F.linear`` first."""
@@ -213,9 +218,11 @@ class LinearKernels:
 
     def _compute(self, kernel: int, module: nn.Linear, siblings: tuple[nn.Linear, ...], x: torch.Tensor):
         if kernel == PACKED and siblings[0] is module:
-            return self._packed_product(siblings, x)
-        if kernel == STREAMED and x.numel() <= MAX_STREAMED_ROWS * x.shape[-1] and streamable(module.weight):
-            return streamed_linear(x, module.weight, module.bias)
+            return self._product(PACKED, siblings, x)
+        if kernel == STREAMED and x.numel() <= MAX_STREAMED_ROWS * x.shape[-1]:
+            unit = siblings if siblings[0] is module and len(siblings) <= MAX_MATRICES else (module,)
+            if all(streamable(m.weight) for m in unit):
+                return self._product(STREAMED, unit, x)
         return F.linear(x, module.weight, module.bias)
 
     def _forward(self, module: nn.Linear, drafting: bool = False):
@@ -245,7 +252,7 @@ class LinearKernels:
                 times = self.trials.setdefault(key, tuple([] for _ in range(STREAMED + 1)))
                 turn = min(self.candidates(self.bucket), key=lambda k: len(times[k]))  # F.linear first
                 trial = self.running_trials[key] = Trial(turn)
-            if trial.kernel == PACKED and not leads:  # its first sibling ran on another input: alone, untimed
+            if trial.kernel != LINEAR and not leads:  # its first sibling ran on another input: alone, untimed
                 return F.linear(x, weight, bias)
             trial.spoiled |= trial.kernel == PACKED and siblings not in self.packed
             start = time.perf_counter()

@@ -1,5 +1,5 @@
-"""``streamed_linear``: a linear layer over 1 to ``MAX_ROWS`` rows that reads each weight row once, for
-verification forwards over a few query tokens on CPU.
+"""``streamed_linears``: linear layers over 1 to ``MAX_ROWS`` rows that read each weight row once, for verification
+forwards over a few query tokens on CPU.
 
 A drafted step's forward over 3-9 query tokens reads the same weights as a one-token forward, yet on a 2-core Xeon
 the decoder's linears cost 1.7x their one-row time at 5 rows with ``F.linear`` (a GEMM that repacks the weight on
@@ -7,7 +7,8 @@ every call) and 1.5x with weights packed once for oneDNN or MKL (``benchmarks/RE
 weight-read limit"). The kernel here streams every weight row from memory once, with a software prefetch ahead of
 it, and multiplies it with every row of the input, which stays in cache: up to ~5 rows it runs at about the speed
 of reading the weights. It reads the parameters in place (nothing packed, nothing copied), so it always computes
-with the weights the trainer just updated.
+with the weights the trainer just updated; several weights that read one input (a layer's query, key and value
+projections) are one call, their rows shared by the threads.
 
 It is C++ (``streamed_linear.cpp`` beside this module), built on first use with the system's C++ compiler
 (``$CXX``, else ``c++``/``g++``) for this machine's instruction set, cached under ``$SPECROLL_HOME/kernels/`` by a
@@ -34,7 +35,8 @@ import torch
 
 from ..files import specroll_home
 
-MAX_ROWS = 8  # the kernel has code for 1-8 rows; above, a GEMM's repacking is amortised
+MAX_ROWS = 16  # the kernel has code for 1-16 rows; above, a GEMM's repacking is amortised
+MAX_MATRICES = 16  # weights computed as one product
 SOURCE = Path(__file__).with_name("streamed_linear.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
@@ -83,7 +85,7 @@ def _library():
         detail = getattr(error, "stderr", "") or error
         logger.warning("streamed linear kernel unavailable: building it with %s failed: %s", compiler, detail)
         return None
-    library.streamed_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    library.streamed_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_long, ctypes.c_long]
     library.streamed_linear.restype = ctypes.c_int
     return library
 
@@ -94,21 +96,34 @@ def streamed_kernel_available() -> bool:
 
 def streamable(weight: torch.Tensor) -> bool:
     """Whether the kernel can read this weight in place: float32, on CPU, contiguous, two-dimensional."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.is_contiguous())
+    return weight.dtype == torch.float32 and weight.is_cpu and weight.dim() == 2 and weight.is_contiguous()
+
+
+def streamed_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+                     ) -> list[torch.Tensor]:
+    """``[F.linear(x, w, b) for w, b in zip(weights, biases)]`` as one product (1 to ``MAX_MATRICES`` weights of
+    ``x``'s last size), for at most ``MAX_ROWS`` rows of ``x`` (all but its last dimension), float32 on CPU, outside
+    autograd; every weight must be ``streamable``. Lean: it runs ~120 times a forward of a 30-layer model."""
+    in_features, count = x.shape[-1], len(weights)
+    rows = x.reshape(-1, in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    if (not 0 < m <= MAX_ROWS or x.dtype != torch.float32 or not 0 < count <= MAX_MATRICES
+            or not all(streamable(w) and w.shape[1] == in_features for w in weights)):
+        raise ValueError(f"streamed_linear takes 1-{MAX_ROWS} float32 rows and 1-{MAX_MATRICES} contiguous float32 CPU "
+                         f"weights of their width; got {m} rows of {x.dtype} x {in_features}, weights "
+                         f"{[(w.dtype, tuple(w.shape)) for w in weights]}")
+    sizes = [w.shape[0] for w in weights]
+    outs = [torch.empty(m, n) for n in sizes]
+    pointers = ctypes.c_void_p * count
+    _library().streamed_linear(rows.data_ptr(), pointers(*[w.data_ptr() for w in weights]),
+                               pointers(*[o.data_ptr() for o in outs]), (ctypes.c_long * count)(*sizes), count, m,
+                               in_features)  # returns non-zero only for counts checked above
+    shape = x.shape[:-1]
+    return [(out if bias is None else out.add_(bias)).view(*shape, n) for out, bias, n in zip(outs, biases, sizes)]
 
 
 def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for at most ``MAX_ROWS`` rows of ``x`` (all but its last dimension), float32 on
-    CPU, outside autograd; the weight must be ``streamable``."""
-    out_features, in_features = weight.shape
-    rows = x.reshape(-1, in_features).contiguous()
-    if not 0 < rows.shape[0] <= MAX_ROWS or x.dtype != torch.float32 or not streamable(weight):
-        raise ValueError(f"streamed_linear takes 1-{MAX_ROWS} float32 rows and a contiguous float32 CPU weight; got "
-                         f"{rows.shape[0]} rows of {x.dtype}, weight {weight.dtype} {tuple(weight.shape)}")
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    _library().streamed_linear(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], out_features,
-                               in_features)  # returns non-zero only for a row count checked above
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], out_features)
+    """``F.linear(x, weight, bias)`` through the streamed kernel (``streamed_linears`` of one weight)."""
+    return streamed_linears(x, [weight], [bias])[0]

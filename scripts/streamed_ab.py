@@ -1,0 +1,77 @@
+"""A step's cost with the streamed linear kernel among the engine's candidates (``with``, what users get) against
+without it (``without``: ``F.linear`` and the packed kernel only, the engine before ``engine/streamed.py``), on
+SmolLM2 with the shipped heads: per tree size, two engines with a fixed tree alternate calls on the bench's held-out
+prompts, each after an untimed call in which its kernels settle; ms per step (packing left out), medians of rounds,
+and the kernels each chose for the decoder's shapes.
+
+  python scripts/streamed_ab.py --nodes 0 2 4 16 --rows 1 --rounds 5 --out /tmp/streamed_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from specroll_trl.adapt.samples import left_pad
+from specroll_trl.engine import SpeculativeGenerator
+from specroll_trl.engine.kernels import STREAMED, LinearKernels
+from specroll_trl.experiments.bench import _prompt_sets
+from specroll_trl.experiments.zoo import load_heads, load_policy, trl_generation_config
+
+KERNEL_NAMES = ("F.linear", "packed", "streamed")
+
+
+class WithoutStreamed(LinearKernels):
+    def candidates(self, bucket: int) -> list[int]:
+        return [k for k in super().candidates(bucket) if k != STREAMED]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[0, 2, 4, 16])
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    model, tokenizer = load_policy("smollm2-135m", progress=False)
+    heads = load_heads("smollm2-135m", progress=False)
+    gc = trl_generation_config(model, tokenizer, args.max_new_tokens, args.temperature)
+    inputs = [left_pad(prompts, tokenizer.pad_token_id)
+              for prompts in _prompt_sets("smollm2-135m", tokenizer, "gsm8k-test", args.rows, args.rounds + 1)]
+    results = {}
+    for nodes in args.nodes:
+        engines = {}
+        for name, kernels in (("with", LinearKernels(model)), ("without", WithoutStreamed(model))):
+            engine = engines[name] = SpeculativeGenerator(model, heads, gc, max_nodes=nodes, capacity=10**9)
+            engine.kernels = kernels
+        ms = {name: [] for name in engines}
+        with torch.no_grad():
+            for engine in engines.values():
+                torch.manual_seed(0)
+                engine.generate(*inputs[0])  # the kernels settle: untimed
+            for round_, (ids, mask) in enumerate(inputs[1:]):
+                for name in (list(engines) if round_ % 2 == 0 else list(engines)[::-1]):
+                    torch.manual_seed(round_)
+                    stats = engines[name].generate(ids, mask).stats
+                    ms[name].append(1e3 * (stats.seconds - stats.pack_seconds) / stats.forwards)
+        ratios = [a / b for a, b in zip(ms["with"], ms["without"])]
+        chosen = {name: {f"{'drafting ' * key[0][-1]}{key[0][0]} x {key[1]} rows": KERNEL_NAMES[k]
+                         for key, k in engine.kernels.choice.items()} for name, engine in engines.items()}
+        results[nodes] = {"ms_per_step": ms, "with_over_without": ratios, "choice": chosen}
+        print(f"{nodes} nodes, {args.rows} rows: with {statistics.median(ms['with']):.1f} ms, without "
+              f"{statistics.median(ms['without']):.1f} ms per step; with / without round by round "
+              f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f}); streamed chosen for "
+              f"{sum(v == 'streamed' for v in chosen['with'].values())} of {len(chosen['with'])} shapes x buckets",
+              flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"rows": args.rows, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                   "threads": torch.get_num_threads(), "nodes": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

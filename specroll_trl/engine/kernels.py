@@ -165,6 +165,8 @@ class LinearKernels:
     def __init__(self, model: nn.Module | None):
         self.enabled = model is not None and (packed_kernel_available() or streamed_kernel_available())
         self.modules = eligible_linears(model) if self.enabled else []
+        if self.modules:
+            streamed_kernel_available()  # built (once per machine and source) here, not inside a timed call
         self.adopted: list[nn.Linear] = []  # taking part in the running call only
         self.siblings: dict[nn.Linear, tuple[nn.Linear, ...]] | None = None  # None: not learnt yet
         self.finder = SiblingFinder()

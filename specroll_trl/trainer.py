@@ -112,7 +112,7 @@ class SpecGRPOConfig(GRPOConfig):
             On a model the engine cannot run (e.g. FlashAttention-2 only), log and use `generate`.
         spec_pack_linears (`bool`, *optional*, defaults to `True`):
             On CPU, compute the policy's float32 linear layers from weights packed once for oneDNN, or with the
-            streamed kernel (weights read in place, up to 16 query rows; built once with the system's C++ compiler),
+            streamed kernel (weights read in place, up to 8 query rows; built once with the system's C++ compiler),
             wherever the engine's own forwards measure that faster (per bucket of query rows). A layer is packed at
             its first packed call of each generation call (logged as `spec/pack_seconds`) and the copy dropped at
             its end.

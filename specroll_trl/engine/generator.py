@@ -80,7 +80,7 @@ class SpeculativeConfig:
             ``expected_accepted`` next to the realised ``accepted``): a bias detector for the verifier.
         pack_linears: compute the model's linear layers, the heads' and their vocabulary projection (float32, on
             CPU) with weights packed once for oneDNN, or with the streamed kernel (``engine.streamed``: the weights
-            read in place, row by row, for up to 16 query rows), where that measures faster than ``F.linear`` for the
+            read in place, row by row, for up to 8 query rows), where that measures faster than ``F.linear`` for the
             layer's shape and row count (``engine.kernels``): a forward over a few query tokens then reads each
             weight once; packed, layers that read one input (query, key and value projections; gate and up) are one
             product. A layer is packed at its first packed call of each ``generate`` call and the copy dropped at

@@ -5,7 +5,7 @@ A verification forward over a few query tokens is where a CPU BLAS pays most abo
 for more than one row ``F.linear`` runs a GEMM that repacks the weight on every call, so a forward over 3 tokens
 costs about 1.7x one token's although it reads the same weights (``benchmarks/README.md``, "A step at the
 weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count; the
-streamed kernel reads the weight in place, row by row, once for up to 16 rows. Which is fastest depends on the
+streamed kernel reads the weight in place, row by row, once for up to 8 rows. Which is fastest depends on the
 machine, the layer's shape and the row count (on these cores the packed ``lm_head`` wins at every row count, the
 small decoder matrices lose at one row), so it is measured, never assumed, and in place: per weight shape and bucket
 of query rows, the engine's own forwards take the kernels in turn until each has run ``TRIALS`` forwards, then the

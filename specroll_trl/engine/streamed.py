@@ -35,7 +35,7 @@ import torch
 
 from ..files import specroll_home
 
-MAX_ROWS = 16  # the kernel has code for 1-16 rows; above, a GEMM's repacking is amortised
+MAX_ROWS = 8  # the kernel has code for 1-8 rows; at 9-16 it ran no faster than the packed kernel
 MAX_MATRICES = 16  # weights computed as one product
 SOURCE = Path(__file__).with_name("streamed_linear.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]

@@ -1,4 +1,4 @@
-// y[m*N+n] = sum_k x[m*K+k] * W[n*K+k] for 1 to 16 rows of x (engine/streamed.py builds and loads it): each weight
+// y[m*N+n] = sum_k x[m*K+k] * W[n*K+k] for 1 to 8 rows of x (engine/streamed.py builds and loads it): each weight
 // row is read once, from memory, while the rows of x stay in cache. A BLAS GEMM repacks W on every call over more
 // than a few rows and a GEMV reads W once per row of x; here 5 rows cost little more than one. Plain C++ with
 // GCC/Clang vector types (the compiler picks the machine's widest SIMD); OpenMP threads are torch's own (the library
@@ -62,7 +62,7 @@ static void rows(const float* x, const float* const* Ws, float* const* ys, const
   }
 }
 
-// ys[i][m * Ns[i] + n] = x[m] . Ws[i][n] for every matrix i < count <= MAX_MATRICES, M = 1..16 rows of K floats.
+// ys[i][m * Ns[i] + n] = x[m] . Ws[i][n] for every matrix i < count <= MAX_MATRICES, M = 1..8 rows of K floats.
 // 0 on success, 1 for a row or matrix count it has no code for.
 extern "C" int streamed_linear(const float* x, const float* const* Ws, float* const* ys, const long* Ns, int count,
                                long M, long K) {
@@ -76,14 +76,6 @@ extern "C" int streamed_linear(const float* x, const float* const* Ws, float* co
     case 6: rows<6, 4>(x, Ws, ys, Ns, count, K); return 0;
     case 7: rows<7, 3>(x, Ws, ys, Ns, count, K); return 0;
     case 8: rows<8, 3>(x, Ws, ys, Ns, count, K); return 0;
-    case 9: rows<9, 2>(x, Ws, ys, Ns, count, K); return 0;
-    case 10: rows<10, 2>(x, Ws, ys, Ns, count, K); return 0;
-    case 11: rows<11, 2>(x, Ws, ys, Ns, count, K); return 0;
-    case 12: rows<12, 2>(x, Ws, ys, Ns, count, K); return 0;
-    case 13: rows<13, 1>(x, Ws, ys, Ns, count, K); return 0;
-    case 14: rows<14, 1>(x, Ws, ys, Ns, count, K); return 0;
-    case 15: rows<15, 1>(x, Ws, ys, Ns, count, K); return 0;
-    case 16: rows<16, 1>(x, Ws, ys, Ns, count, K); return 0;
   }
   return 1;
 }

@@ -409,7 +409,7 @@ def test_streamed_kernel_matches_f_linear_to_float_rounding():
             weight, bias = torch.randn(out_features, in_features) / in_features**0.5, torch.randn(out_features)
             torch.testing.assert_close(streamed_linear(x, weight, bias), F.linear(x, weight, bias))
             torch.testing.assert_close(streamed_linear(x[None], weight, None), F.linear(x[None], weight))
-    x, weights = torch.randn(3, 5, 40), [torch.randn(n, 40) / 40**0.5 for n in (40, 13, 13)]  # query, key, value
+    x, weights = torch.randn(2, 3, 40), [torch.randn(n, 40) / 40**0.5 for n in (40, 13, 13)]  # query, key, value
     biases = [torch.randn(40), None, torch.randn(13)]
     for out, weight, bias in zip(streamed_linears(x, weights, biases), weights, biases, strict=True):
         torch.testing.assert_close(out, F.linear(x, weight, bias))

@@ -18,7 +18,8 @@ choice measured forward by forward"). A packed forward counts only when every co
 in an earlier forward: one packed just before its call is still in cache, where in steady state the copy streams
 from memory like the weight does. The drafting side's layers are measured apart from the model's, even where their
 shapes agree: a head's few small weights stay in cache from step to step, a decoder's stream from memory. No
-forward is spent on measuring: a new bucket settles within ``kernels * TRIALS + 1`` of the forwards that use it.
+forward is spent on measuring: a new bucket settles within ``len(candidates) * TRIALS + 1`` of the forwards that use
+it.
 
 Layers a forward calls one after another on the same input tensor (a block's query, key and value projections, an
 MLP's gate and up projections: *siblings*, learnt from the calls of the first forward a ``LinearKernels`` sees, the

@@ -421,6 +421,30 @@ def test_streamed_kernel_matches_f_linear_to_float_rounding():
         streamed_linears(torch.randn(2, 4), [torch.randn(3, 4), torch.randn(3, 5)], [None, None])
 
 
+@pytest.mark.parametrize("setting", [{"CXX": "/nonexistent/c++"}, {"SPECROLL_STREAMED_KERNEL": "0"}])
+def test_without_the_streamed_kernel_the_choice_is_among_the_others(monkeypatch, tmp_path, caplog, setting):
+    """No compiler (or a failed build), or the kernel turned off: nothing raises, the engine generates, and the
+    choice is between ``F.linear`` and the packed kernel."""
+    from specroll_trl.engine import streamed
+
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))  # no library built before
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    streamed._library.cache_clear()
+    try:
+        assert not streamed.streamed_kernel_available()
+        model = make_model()
+        engine = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
+                                      GenerationConfig(max_new_tokens=8, eos_token_id=None, pad_token_id=0),
+                                      max_nodes=3, capacity=64)
+        assert engine.kernels.candidates(4) == [kernels_mod.LINEAR, kernels_mod.PACKED]
+        assert len(engine.generate(torch.tensor([[3, 4, 5]])).completion_ids[0]) == 8
+        assert kernels_mod.STREAMED not in engine.kernels.choice.values()
+        assert ("failed" in caplog.text) == ("CXX" in setting) and not list(tmp_path.glob("kernels/*.so"))
+    finally:
+        streamed._library.cache_clear()
+
+
 @needs_streamed
 def test_greedy_identity_with_every_forward_streamed(monkeypatch):
     model = make_model(vocab=40, scale=4.0, seed=3)

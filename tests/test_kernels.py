@@ -69,18 +69,19 @@ def learnt(model) -> LinearKernels:
     return kernels
 
 
-def force_packed(monkeypatch, model) -> LinearKernels:
-    """Every forward of ``model`` through the packed kernel, whatever its row count (the proofs' worst case)."""
-    monkeypatch.setattr(kernels_mod, "MAX_PACKED_ROWS", 1 << 20)
-    kernels = kernels_of(model)
-    choose(kernels, True)
-    return kernels
-
-
-def force_streamed(monkeypatch, model) -> list[int]:
-    """Every forward of ``model`` through the streamed kernel, in chunks of its most rows (the proofs' worst case);
-    returns a list that counts its calls."""
+def force(monkeypatch, model, kernel: str) -> list[int]:
+    """Every forward of ``model`` through ``kernel`` (``packed``, or ``streamed`` in chunks of its most rows),
+    whatever its row count (the proofs' worst case); returns the row counts of the kernel's calls."""
     calls = []
+    monkeypatch.setattr(kernels_mod, "MAX_PACKED_ROWS", 1 << 20)
+    if kernel == "packed":
+        def counted(x, packed, bias, packed_linear=kernels_mod.packed_linear):
+            calls.append(x.numel() // x.shape[-1])
+            return packed_linear(x, packed, bias)
+
+        monkeypatch.setattr(kernels_mod, "packed_linear", counted)
+        kernels_of(model).choice = Always(kernels_mod.PACKED)
+        return calls
 
     def chunked(x, weights, biases):
         rows = x.reshape(-1, x.shape[-1])
@@ -88,11 +89,13 @@ def force_streamed(monkeypatch, model) -> list[int]:
         chunks = [streamed_linears(chunk, weights, biases) for chunk in rows.split(MAX_ROWS)]
         return [torch.cat(parts).view(*x.shape[:-1], -1) for parts in zip(*chunks)]
 
-    monkeypatch.setattr(kernels_mod, "MAX_PACKED_ROWS", 1 << 20)
     monkeypatch.setattr(kernels_mod, "MAX_STREAMED_ROWS", 1 << 20)
     monkeypatch.setattr(kernels_mod, "streamed_linears", chunked)
     kernels_of(model).choice = Always(kernels_mod.STREAMED)
     return calls
+
+
+FORCED = ["packed", pytest.param("streamed", marks=needs_streamed)]
 
 
 def logits(model, ids):
@@ -357,15 +360,17 @@ def test_the_heads_and_their_draft_projection_take_part_for_one_call_only(monkey
     assert engine.kernels.adopted == [] and all("forward" not in m.__dict__ for m in head_linears)
 
 
-def test_greedy_identity_with_every_forward_packed(monkeypatch):
+@pytest.mark.parametrize("kernel", FORCED)
+def test_greedy_identity_with_every_forward_through(monkeypatch, kernel):
     model = make_model(vocab=40, scale=4.0, seed=3)
-    force_packed(monkeypatch, model)
+    calls = force(monkeypatch, model, kernel)
     heads = noisy_heads(model, std=0.3, kind="path")
     ids, mask = left_padded([[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]])
     gc = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=1, pad_token_id=0)
     out = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=6).generate(ids, mask)
     assert out.completion_ids == generate_reference(model, ids, mask, gc)
-    assert kernels_of(model).trials == {}  # nothing measured: every forward ran packed
+    assert kernels_of(model).trials == {}  # nothing measured: every forward ran through the kernel
+    assert len(calls) > 100 and max(calls) > MAX_ROWS  # the streamed kernel in chunks where wider
     assert len(kernels_of(model).units()) < len(kernels_of(model).modules)  # siblings in one product
 
 
@@ -376,7 +381,8 @@ def test_greedy_identity_with_every_forward_packed_on_a_lora_policy(monkeypatch)
     base = make_model(vocab=40, scale=4.0, seed=3)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
     model = get_peft_model(base, config).eval().base_model.model
-    kernels = force_packed(monkeypatch, model)
+    force(monkeypatch, model, "packed")
+    kernels = kernels_of(model)
     heads = noisy_heads(model, std=0.3, kind="path")
     ids, mask = left_padded([[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]])
     gc = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=1, pad_token_id=0)
@@ -386,14 +392,15 @@ def test_greedy_identity_with_every_forward_packed_on_a_lora_policy(monkeypatch)
     assert all(len(kernels.siblings.get(m, ())) > 1 for m in lora_a)
 
 
+@pytest.mark.parametrize("kernel", FORCED)
 @pytest.mark.parametrize("rule", ["top-k", "drawn"])
-def test_sampling_is_exact_with_every_forward_packed(monkeypatch, rule):
+def test_sampling_is_exact_with_every_forward_through(monkeypatch, rule, kernel):
     model = make_model(vocab=6, hidden=16, seed=11, scale=2.0)
-    force_packed(monkeypatch, model)
+    calls = force(monkeypatch, model, kernel)
     heads = noisy_heads(model, std=0.5, kind="path", num_heads=2)
     gc = GenerationConfig(do_sample=True, temperature=0.9, top_k=4, max_new_tokens=3, eos_token_id=1, pad_token_id=0)
     samples, stats = engine_samples(model, heads, gc, n_per_prompt=4000, seed=2, candidates=rule)
-    assert stats.drafted_row_steps > 0 and len(kernels_of(model).units()) < len(kernels_of(model).modules)
+    assert stats.drafted_row_steps > 0 and calls and len(kernels_of(model).units()) < len(kernels_of(model).modules)
     for prompt, rows in zip(PROMPTS, samples):
         assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
 
@@ -443,31 +450,6 @@ def test_without_the_streamed_kernel_the_choice_is_among_the_others(monkeypatch,
         assert ("failed" in caplog.text) == ("CXX" in setting) and not list(tmp_path.glob("kernels/*.so"))
     finally:
         streamed._library.cache_clear()
-
-
-@needs_streamed
-def test_greedy_identity_with_every_forward_streamed(monkeypatch):
-    model = make_model(vocab=40, scale=4.0, seed=3)
-    calls = force_streamed(monkeypatch, model)
-    heads = noisy_heads(model, std=0.3, kind="path")
-    ids, mask = left_padded([[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]])
-    gc = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=1, pad_token_id=0)
-    out = SpeculativeGenerator(model, heads, gc, capacity=64, max_nodes=6).generate(ids, mask)
-    assert out.completion_ids == generate_reference(model, ids, mask, gc)
-    assert kernels_of(model).trials == {} and len(calls) > 100 and max(calls) > MAX_ROWS  # chunked where wider
-
-
-@needs_streamed
-@pytest.mark.parametrize("rule", ["top-k", "drawn"])
-def test_sampling_is_exact_with_every_forward_streamed(monkeypatch, rule):
-    model = make_model(vocab=6, hidden=16, seed=11, scale=2.0)
-    calls = force_streamed(monkeypatch, model)
-    heads = noisy_heads(model, std=0.5, kind="path", num_heads=2)
-    gc = GenerationConfig(do_sample=True, temperature=0.9, top_k=4, max_new_tokens=3, eos_token_id=1, pad_token_id=0)
-    samples, stats = engine_samples(model, heads, gc, n_per_prompt=4000, seed=2, candidates=rule)
-    assert stats.drafted_row_steps > 0 and calls
-    for prompt, rows in zip(PROMPTS, samples):
-        assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
 
 
 def test_engine_without_packing_leaves_the_model_alone():

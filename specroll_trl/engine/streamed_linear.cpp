@@ -1,8 +1,8 @@
 // y[m*N+n] = sum_k x[m*K+k] * W[n*K+k] for 1 to 8 rows of x (engine/streamed.py builds and loads it): each weight
 // row is read once, from memory, while the rows of x stay in cache. A BLAS GEMM repacks W on every call over more
-// than a few rows and a GEMV reads W once per row of x; here 5 rows cost little more than one. Plain C++ with
-// GCC/Clang vector types (the compiler picks the machine's widest SIMD); OpenMP threads are torch's own (the library
-// is loaded after torch, whose libgomp it shares).
+// than a few rows and a GEMV reads W once per row of x. Plain C++ with GCC/Clang vector types (the compiler picks the
+// machine's widest SIMD); OpenMP threads are torch's own (the library is loaded after torch, whose libgomp it
+// shares). Prefetches may point past a weight's end: a prefetch never faults.
 constexpr int LANES = 16;
 constexpr long PREFETCH = 256;  // floats ahead of the weight being read: the hardware prefetcher alone lags here
 typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));

@@ -20,7 +20,7 @@ import torch
 from specroll_trl.adapt.samples import left_pad
 from specroll_trl.engine import SpeculativeGenerator
 from specroll_trl.experiments.bench import _alternate, _prompt_sets
-from specroll_trl.experiments.zoo import load_heads, load_policy, trl_generation_config
+from specroll_trl.experiments.zoo import policy_heads_and_config
 
 
 def old_budget_class(path: str):
@@ -40,9 +40,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    model, tokenizer = load_policy("smollm2-135m", progress=False)
-    heads = load_heads("smollm2-135m", progress=False)
-    gc = trl_generation_config(model, tokenizer, args.max_new_tokens, args.temperature)
+    model, tokenizer, heads, gc = policy_heads_and_config("smollm2-135m", args.max_new_tokens, args.temperature)
     engines = {"new": SpeculativeGenerator(model, heads, gc), "old": SpeculativeGenerator(model, heads, gc),
                f"fixed_{args.fixed_nodes}": SpeculativeGenerator(model, heads, gc, max_nodes=args.fixed_nodes,
                                                                  capacity=10**9)}

@@ -20,7 +20,7 @@ from specroll_trl.adapt.samples import left_pad
 from specroll_trl.engine import SpeculativeGenerator
 from specroll_trl.engine.kernels import STREAMED, LinearKernels
 from specroll_trl.experiments.bench import _prompt_sets
-from specroll_trl.experiments.zoo import load_heads, load_policy, trl_generation_config
+from specroll_trl.experiments.zoo import policy_heads_and_config
 
 KERNEL_NAMES = ("F.linear", "packed", "streamed")
 
@@ -39,9 +39,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    model, tokenizer = load_policy("smollm2-135m", progress=False)
-    heads = load_heads("smollm2-135m", progress=False)
-    gc = trl_generation_config(model, tokenizer, args.max_new_tokens, args.temperature)
+    model, tokenizer, heads, gc = policy_heads_and_config("smollm2-135m", args.max_new_tokens, args.temperature)
     inputs = [left_pad(prompts, tokenizer.pad_token_id)
               for prompts in _prompt_sets("smollm2-135m", tokenizer, "gsm8k-test", args.rows, args.rounds + 1)]
     results = {}

@@ -173,6 +173,7 @@ class LinearKernels:
         self.finder = SiblingFinder()
         self.stash: dict[nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}  # input, its version, output
         self.packed: dict[tuple[nn.Linear, ...], Packed] = {}
+        self.streamable: dict[tuple[nn.Linear, ...], bool] = {}  # units the streamed kernel reads, this call
         self.unit_shapes: dict[tuple[nn.Linear, ...], tuple] = {}  # the model's units -> their siblings_shape
         self.trials: dict[tuple, tuple[list[float], ...]] = {}  # (shape, bucket) -> per kernel, per forward
         self.running_trials: dict[tuple, Trial] = {}  # in the forward running
@@ -224,7 +225,10 @@ class LinearKernels:
             return self._product(PACKED, siblings, x)
         if kernel == STREAMED and x.numel() <= MAX_STREAMED_ROWS * x.shape[-1]:
             unit = siblings if siblings[0] is module and len(siblings) <= MAX_MATRICES else (module,)
-            if all(streamable(m.weight) for m in unit):
+            streams = self.streamable.get(unit)
+            if streams is None:  # once per unit and call: weights keep their layout inside a call
+                streams = self.streamable[unit] = all(streamable(m.weight) for m in unit)
+            if streams:
                 return self._product(STREAMED, unit, x)
         return F.linear(x, module.weight, module.bias)
 
@@ -297,6 +301,7 @@ class LinearKernels:
             self.bucket, self.running = None, False
             self._learn_siblings()
             self.packed.clear()
+            self.streamable.clear()
             self.stash.clear()
             for module in self.modules + self.adopted:
                 module.__dict__.pop("forward", None)

@@ -454,3 +454,10 @@ def trl_generation_config(model, tokenizer, max_new_tokens: int, temperature: fl
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, temperature=temperature, top_p=1.0, top_k=0,
         min_p=None, repetition_penalty=1.0, cache_implementation=None, disable_compile=True,
     )
+
+
+def policy_heads_and_config(preset: str, max_new_tokens: int, temperature: float = 1.0):
+    """A preset's policy, tokenizer, shipped heads and TRL's ``GenerationConfig``: what a side-by-side script runs."""
+    model, tokenizer = load_policy(preset, progress=False)
+    heads = load_heads(preset, progress=False)
+    return model, tokenizer, heads, trl_generation_config(model, tokenizer, max_new_tokens, temperature)

@@ -2,7 +2,7 @@
 
 * ``steps``: ms per step of the engine at 0 / 2 / 4 draft nodes against `generate`;
 * ``phases``: ms per step in each of the engine's phases (draft, verify, commit, ...), a plain step against a 4-node
-  drawn and a 4-node top-k one;
+  drawn and a 4-node top-k one (``--nodes``: other widths);
 * ``drafting``: ms per step of the parts of a 4-node drawn step's draft and commit (the heads' blocks, their vocabulary
   projection, the draw, the rejection walk, the KV commit);
 * ``attention``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the grouped key/value heads read in place
@@ -16,7 +16,8 @@
 * ``leaving``: ms for one row of 32 to leave a cache of 450 slots and for the next step's append, with the rows
   kept in order and copied out of their buffers (what the engine did before), kept in order in place (every row
   after the leaver moves), and with the last row moved into the leaver's place (what the engine does);
-* ``profiles``: torch.profiler tables of a 0- and a 2-node run and of `generate`;
+* ``profiles``: torch.profiler, per decoding step (the prefill subtracted), of drawn 0- and 2-node runs (``--nodes``,
+  ``--rows``: others) and of `generate`;
 * ``lm_head``: the lm_head product and the heads' draft-vocabulary projection alone, `F.linear` against the packed
   kernel (and, for the lm_head, `x @ W.T` with a transposed copy), for 1-17 query rows, and what packing costs;
 * ``layouts``: the decoder's 210 linears alone at 1-17 query rows in every layout or kernel tried (``F.linear``,
@@ -92,10 +93,12 @@ def step_times(model, tokenizer, heads, gc, ids, mask) -> None:
         print(f"{name}: {1000 * statistics.median(seconds):.1f} ms per step", flush=True)
 
 
-def phase_times(model, tokenizer, heads, gc, ids, mask, rounds: int = 4) -> None:
-    """Each phase's wall time summed over ``rounds`` calls per engine (alternating), per decoding step."""
-    engines = {"plain": dict(max_nodes=0), "4 nodes, drawn": dict(max_nodes=4, candidates="drawn"),
-               "4 nodes, top-k": dict(max_nodes=4, candidates="top-k")}
+def phase_times(model, tokenizer, heads, gc, ids, mask, rounds: int = 4, nodes=(4,)) -> None:
+    """Each phase's wall time summed over ``rounds`` calls per engine (alternating), per decoding step: a plain step
+    against drawn and top-k trees of each of ``nodes``."""
+    engines = {"plain": dict(max_nodes=0)}
+    engines.update({f"{n} nodes, {rule}": dict(max_nodes=n, candidates=rule)
+                    for n in nodes for rule in ("drawn", "top-k")})
     engines = {name: SpeculativeGenerator(model, heads, gc, capacity=10**9, **options)
                for name, options in engines.items()}
     spent = {name: dict.fromkeys(PHASES, 0.0) for name in engines}
@@ -257,15 +260,37 @@ def rows_leaving(model, *_, rows: int = 32, slots: int = 450, rounds: int = 10) 
               f"next append {1e3 * statistics.median(appending):.1f} ms", flush=True)
 
 
-def profiles(model, tokenizer, heads, gc, ids, mask) -> None:
-    engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, capacity=10**9) for n in (0, 2)}
-    runs = {"nodes 0": lambda: engines[0].generate(ids, mask), "nodes 2": lambda: engines[2].generate(ids, mask),
-            "generate": lambda: model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)}
-    for name, run in runs.items():
+def profiles(model, tokenizer, heads, gc, ids, mask, nodes=(0, 2), batches=(1,)) -> None:
+    """torch.profiler per decoding step (the prefill's own profile subtracted, operator by operator) of drawn trees of
+    each of ``nodes`` and of `generate`, at each of ``batches`` rows, after one untimed call each."""
+    def self_ms(run, ids, mask, max_new_tokens: int) -> tuple[dict[str, tuple[float, int]], int, float]:
         torch.manual_seed(0)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run()
-        print(f"== {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
+            start = time.perf_counter()
+            out = run(ids, mask, max_new_tokens)
+            seconds = time.perf_counter() - start
+        steps = out.stats.forwards if hasattr(out, "stats") else out.shape[1] - ids.shape[1]
+        return {a.key: (a.self_cpu_time_total / 1000, a.count) for a in prof.key_averages()}, steps, seconds
+
+    runs = {f"nodes {n}": SpeculativeGenerator(model, heads, gc, max_nodes=n, candidates="drawn",
+                                               capacity=10**9).generate for n in nodes}
+    runs["generate"] = lambda ids, mask, max_new_tokens: model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=gc, max_new_tokens=max_new_tokens)
+    for batch in batches:
+        ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
+        for name, run in runs.items():
+            run(ids, mask, gc.max_new_tokens)  # kernels measured and packed, untimed
+            (whole, steps, seconds), (prefill, _, prefill_seconds) = (self_ms(run, ids, mask, n)
+                                                                      for n in (gc.max_new_tokens, 1))
+            steps -= 1  # the prefill's forward
+            # operators the prefill also runs carry its run-to-run noise (~1 ms a step at 32 rows): read the big ones
+            decode = {k: (max(0.0, t - prefill.get(k, (0.0, 0))[0]), c - prefill.get(k, (0.0, 0))[1])
+                      for k, (t, c) in whole.items()}
+            print(f"== {name}, {batch} rows: {1000 * (seconds - prefill_seconds) / steps:.1f} ms a decoding step "
+                  f"under the profiler ({steps} steps, the prefill's call subtracted); self time by operator (work "
+                  "in the streamed kernel, a library of its own, is in none):", flush=True)
+            for key, (t, c) in sorted(decode.items(), key=lambda kv: -kv[1][0])[:20]:
+                print(f"  {key[:50]:50s} {t / steps:7.2f} ms  {c / steps:7.1f} calls", flush=True)
 
 
 def lm_head_products(model, tokenizer, heads, *_) -> None:
@@ -338,8 +363,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rows", type=int, nargs="+", help="rows of the paired parts (attention, cache, siblings)")
-    parser.add_argument("--nodes", type=int, nargs="+", help="draft nodes of the side-by-side parts")
+    parser.add_argument("--rows", type=int, nargs="+",
+                        help="rows of the paired parts (attention, cache, siblings) and of profiles")
+    parser.add_argument("--nodes", type=int, nargs="+", help="draft nodes of the side-by-side parts and of phases")
     args = parser.parse_args()
     cells = {k: tuple(v) for k, v in (("batches", args.rows), ("nodes", args.nodes)) if v}
     model, tokenizer = load_policy("smollm2-135m", progress=False)
@@ -348,7 +374,9 @@ def main() -> None:
     ids, mask = left_pad(bench_prompts(tokenizer, 1), tokenizer.pad_token_id)
     with torch.no_grad():
         for part in args.parts:
-            PARTS[part](model, tokenizer, heads, gc, ids, mask, **(cells if part in PAIRED else {}))
+            options = cells if part in PAIRED + ("profiles",) else (
+                {"nodes": cells["nodes"]} if part == "phases" and args.nodes else {})
+            PARTS[part](model, tokenizer, heads, gc, ids, mask, **options)
 
 
 if __name__ == "__main__":

@@ -365,7 +365,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+",
                         help="rows of the paired parts (attention, cache, siblings) and of profiles")
-    parser.add_argument("--nodes", type=int, nargs="+", help="draft nodes of the side-by-side parts and of phases")
+    parser.add_argument("--nodes", type=int, nargs="+",
+                        help="draft nodes of the side-by-side parts, phases and profiles")
     args = parser.parse_args()
     cells = {k: tuple(v) for k, v in (("batches", args.rows), ("nodes", args.nodes)) if v}
     model, tokenizer = load_policy("smollm2-135m", progress=False)

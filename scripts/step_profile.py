@@ -353,7 +353,9 @@ def gemm_rate(*_) -> None:
     print(f"fp32 GEMM 2048^3 at {torch.get_num_threads()} threads: {ms:.1f} ms, {2 * 2048**3 / ms / 1e6:.0f} GFLOP/s")
 
 
-PAIRED = ("attention", "cache", "siblings")
+# which of --rows (``batches``) and --nodes each part takes
+CELLS = {"attention": ("batches", "nodes"), "cache": ("batches", "nodes"), "siblings": ("batches", "nodes"),
+         "profiles": ("batches", "nodes"), "phases": ("nodes",)}
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
          "cache": cache_layers, "siblings": sibling_products, "leaving": rows_leaving, "profiles": profiles,
          "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
@@ -375,8 +377,7 @@ def main() -> None:
     ids, mask = left_pad(bench_prompts(tokenizer, 1), tokenizer.pad_token_id)
     with torch.no_grad():
         for part in args.parts:
-            options = cells if part in PAIRED + ("profiles",) else (
-                {"nodes": cells["nodes"]} if part == "phases" and args.nodes else {})
+            options = {k: v for k, v in cells.items() if k in CELLS.get(part, ())}
             PARTS[part](model, tokenizer, heads, gc, ids, mask, **options)
 
 

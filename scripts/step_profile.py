@@ -4,7 +4,7 @@
 * ``phases``: ms per step in each of the engine's phases (draft, verify, commit, ...), a plain step against a 4-node
   drawn and a 4-node top-k one (``--nodes``: other widths);
 * ``drafting``: ms per step of the parts of a 4-node drawn step's draft and commit (the heads' blocks, their vocabulary
-  projection, the draw, the rejection walk, the KV commit);
+  projection, the draw, the rejection walk, the KV commit; ``--nodes``: other widths);
 * ``attention``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the grouped key/value heads read in place
   (``engine.attention``, what the engine runs) against transformers' own path, which copies them (``repeat_kv``),
   alternating; the second arm replaces the engine's ``grouped_attention`` by a no-op;
@@ -118,10 +118,15 @@ def phase_times(model, tokenizer, heads, gc, ids, mask, rounds: int = 4, nodes=(
         print(f"{name}: ms per step: {parts} ({steps[name]} steps)", flush=True)
 
 
-def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3) -> None:
-    """A 4-node drawn step's draft and commit in parts, each function's wall time summed over ``rounds`` calls, per
-    step (the parts nest: ``draw_tree`` holds the heads' blocks and projection)."""
-    engine = SpeculativeGenerator(model, heads, gc, max_nodes=4, candidates="drawn", capacity=10**9)
+def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3, nodes=(4,)) -> None:
+    """A drawn step's draft and commit in parts at each of ``nodes``, each function's wall time summed over ``rounds``
+    calls, per step (the parts nest: ``draw_tree`` holds the heads' blocks and projection)."""
+    for n in nodes:
+        drafting_parts_at(model, heads, gc, ids, mask, rounds, n)
+
+
+def drafting_parts_at(model, heads, gc, ids, mask, rounds: int, num_nodes: int) -> None:
+    engine = SpeculativeGenerator(model, heads, gc, max_nodes=num_nodes, candidates="drawn", capacity=10**9)
     engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
     spent = dict.fromkeys(["head blocks", "projection", "draw_tree", "_draft", "rejection_walk", "cut", "kv commit",
                            "_commit"], 0.0)
@@ -142,7 +147,7 @@ def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3) -> N
         for owner, name, method in originals:
             setattr(owner, name, method)
     parts = ", ".join(f"{label.strip('_')} {1000 * seconds / steps:.2f}" for label, seconds in spent.items())
-    print(f"4 nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
+    print(f"{num_nodes} nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
 
 
 def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, batches=(1, 8), nodes=(0, 4, 16)) -> None:
@@ -358,7 +363,7 @@ def gemm_rate(*_) -> None:
 
 # which of --rows (``batches``) and --nodes each part takes
 CELLS = {"attention": ("batches", "nodes"), "cache": ("batches", "nodes"), "siblings": ("batches", "nodes"),
-         "profiles": ("batches", "nodes"), "phases": ("nodes",)}
+         "profiles": ("batches", "nodes"), "phases": ("nodes",), "drafting": ("nodes",)}
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
          "cache": cache_layers, "siblings": sibling_products, "leaving": rows_leaving, "profiles": profiles,
          "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}

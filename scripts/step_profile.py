@@ -2,7 +2,7 @@
 
 * ``steps``: ms per step of the engine at 0 / 2 / 4 draft nodes against `generate`;
 * ``phases``: ms per step in each of the engine's phases (draft, verify, commit, ...), a plain step against a 4-node
-  drawn and a 4-node top-k one (``--nodes``: other widths);
+  drawn and a 4-node top-k one (``--nodes``: other widths; ``--rows``: other row counts);
 * ``drafting``: ms per step of the parts of a 4-node drawn step's draft and commit (the heads' blocks, their vocabulary
   projection, the draw, the rejection walk, the KV commit; ``--nodes``: other widths);
 * ``attention``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the grouped key/value heads read in place
@@ -93,29 +93,31 @@ def step_times(model, tokenizer, heads, gc, ids, mask) -> None:
         print(f"{name}: {1000 * statistics.median(seconds):.1f} ms per step", flush=True)
 
 
-def phase_times(model, tokenizer, heads, gc, ids, mask, rounds: int = 4, nodes=(4,)) -> None:
+def phase_times(model, tokenizer, heads, gc, ids, mask, rounds: int = 4, nodes=(4,), batches=(1,)) -> None:
     """Each phase's wall time summed over ``rounds`` calls per engine (alternating), per decoding step: a plain step
-    against drawn and top-k trees of each of ``nodes``."""
+    against drawn and top-k trees of each of ``nodes``, at each of ``batches`` rows."""
     engines = {"plain": dict(max_nodes=0)}
     engines.update({f"{n} nodes, {rule}": dict(max_nodes=n, candidates=rule)
                     for n in nodes for rule in ("drawn", "top-k")})
-    engines = {name: SpeculativeGenerator(model, heads, gc, capacity=10**9, **options)
-               for name, options in engines.items()}
-    spent = {name: dict.fromkeys(PHASES, 0.0) for name in engines}
-
-    for engine in engines.values():
-        engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
-    for name, engine in engines.items():
-        for phase in PHASES:
-            setattr(engine, phase, timed(getattr(engine, phase), spent[name], phase))
-    steps = dict.fromkeys(engines, 0)
-    for seed in range(rounds):
-        for name, engine in engines.items():
-            torch.manual_seed(seed)
-            steps[name] += engine.generate(ids, mask).stats.forwards - 1
-    for name, phases in spent.items():
-        parts = ", ".join(f"{phase.strip('_')} {1000 * seconds / steps[name]:.2f}" for phase, seconds in phases.items())
-        print(f"{name}: ms per step: {parts} ({steps[name]} steps)", flush=True)
+    for batch in batches:
+        ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
+        cell = {name: SpeculativeGenerator(model, heads, gc, capacity=10**9, **options)
+                for name, options in engines.items()}
+        spent = {name: dict.fromkeys(PHASES, 0.0) for name in cell}
+        for engine in cell.values():
+            engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
+        for name, engine in cell.items():
+            for phase in PHASES:
+                setattr(engine, phase, timed(getattr(engine, phase), spent[name], phase))
+        steps = dict.fromkeys(cell, 0)
+        for seed in range(rounds):
+            for name, engine in cell.items():
+                torch.manual_seed(seed)
+                steps[name] += engine.generate(ids, mask).stats.forwards - 1
+        for name, phases in spent.items():
+            parts = ", ".join(f"{phase.strip('_')} {1000 * seconds / steps[name]:.2f}"
+                              for phase, seconds in phases.items())
+            print(f"{batch} rows, {name}: ms per step: {parts} ({steps[name]} steps)", flush=True)
 
 
 def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3, nodes=(4,)) -> None:
@@ -363,7 +365,7 @@ def gemm_rate(*_) -> None:
 
 # which of --rows (``batches``) and --nodes each part takes
 CELLS = {"attention": ("batches", "nodes"), "cache": ("batches", "nodes"), "siblings": ("batches", "nodes"),
-         "profiles": ("batches", "nodes"), "phases": ("nodes",), "drafting": ("nodes",)}
+         "profiles": ("batches", "nodes"), "phases": ("batches", "nodes"), "drafting": ("nodes",)}
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
          "cache": cache_layers, "siblings": sibling_products, "leaving": rows_leaving, "profiles": profiles,
          "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
@@ -374,7 +376,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+",
-                        help="rows of the paired parts (attention, cache, siblings) and of profiles")
+                        help="rows of the paired parts (attention, cache, siblings), of phases and of profiles")
     parser.add_argument("--nodes", type=int, nargs="+",
                         help="draft nodes of the side-by-side parts, phases and profiles")
     args = parser.parse_args()

@@ -378,7 +378,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+",
                         help="rows of the paired parts (attention, cache, siblings), of phases and of profiles")
     parser.add_argument("--nodes", type=int, nargs="+",
-                        help="draft nodes of the side-by-side parts, phases and profiles")
+                        help="draft nodes of the side-by-side parts, phases, drafting and profiles")
     args = parser.parse_args()
     cells = {k: tuple(v) for k, v in (("batches", args.rows), ("nodes", args.nodes)) if v}
     model, tokenizer = load_policy("smollm2-135m", progress=False)

@@ -14,7 +14,7 @@ from specroll_trl.engine.budget import node_budget
 from specroll_trl.engine.compat import check_model_supported
 from specroll_trl.engine.generator import SpeculativeConfig, SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
-from specroll_trl.engine.kvcache import RaggedCache, RoomyLayer, roomy_cache
+from specroll_trl.engine.kvcache import RaggedCache, RoomyLayer, displaced, roomy_cache
 from specroll_trl.engine.tree import DraftTree, PathTable, grow_tree, select_tree
 from specroll_trl.experiments.zoo import task_prompt_ids
 
@@ -393,7 +393,7 @@ def test_ragged_cache_after_many_steps_equals_fresh_prefill(layers):
     committed = [list(p) for p in prompts]
     rows = list(range(4))
     table = PathTable.build(3, 3)
-    compactions = 0
+    compactions = in_place = 0
     for step in range(40):
         batch = len(rows)
         root = torch.randint(2, 50, (batch,), generator=gen)
@@ -418,11 +418,13 @@ def test_ragged_cache_after_many_steps_equals_fresh_prefill(layers):
         before = kv.physical_length
         kv.commit(accepted)
         compactions += kv.physical_length < before + width
+        in_place += not displaced(accepted).any()
         if step == 25:  # a row finishes and leaves
             keep = torch.tensor([0, 2, 3])
             kv.keep_rows(keep)
             rows = [rows[i] for i in keep.tolist()]
     assert compactions > 0
+    assert 0 < in_place < 40  # commits that gather slots and commits that leave every slot where it is, both checked
     assert torch.equal(kv.lengths, torch.tensor([len(committed[r]) for r in rows]))
     probe = torch.tensor([[20]] * len(rows))
     logits = model(input_ids=probe, position_ids=kv.lengths[:, None],
@@ -432,6 +434,35 @@ def test_ragged_cache_after_many_steps_equals_fresh_prefill(layers):
     for b, r in enumerate(rows):
         ref = model(input_ids=torch.tensor([committed[r] + [20]])).logits[0, -1]
         torch.testing.assert_close(logits[b], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_commit_whose_accepted_nodes_sit_in_their_slots_moves_none():
+    """Where every row's ``j``-th accepted node is node ``j`` (or none), the commit only moves the cache's end back:
+    no gather, and the same cache as the gathering commit leaves."""
+    model = make_model(vocab=50, seed=4)
+    ids, mask = left_padded([[3, 4, 5, 6], [7, 8]])
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    accepted = torch.tensor([[0, 1, 2], [0, 1, -1]])
+    assert not displaced(accepted).any() and displaced(torch.tensor([[0, 2, -1]])).any()
+    caches = []
+    for moved in (False, True):
+        cache = roomy_cache(model.config)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        kv = RaggedCache(cache, mask.bool(), mask.sum(1))
+        chain = torch.tensor([[20, 21, 22, 23], [24, 25, 26, 27]])  # a chain of 3 draft nodes after each root
+        model(input_ids=chain, position_ids=kv.lengths[:, None] + torch.arange(4),
+              attention_mask=kv.tree_attention_mask(torch.ones(4, 4).tril().bool().expand(2, -1, -1), torch.float32),
+              cache=kv.cache, use_cache=True)
+        if not moved:
+            kv._gather_appended = None  # calling it would fail
+        kv.commit(accepted, moved=moved)
+        caches.append(kv)
+    skipped, gathered = caches
+    assert skipped.physical_length == gathered.physical_length == 4 + 3
+    assert torch.equal(skipped.valid, gathered.valid) and torch.equal(skipped.lengths, torch.tensor([7, 4]))
+    for a, b in zip(skipped.cache.layers, gathered.cache.layers):
+        keep = skipped.valid[:, None, :, None]
+        assert torch.equal(a.keys * keep, b.keys * keep) and torch.equal(a.values * keep, b.values * keep)
 
 
 # --------------------------------------------------------------------------- budget, errors, fallback

@@ -31,7 +31,7 @@ from .drawn import AcceptanceByRank, DrawnDraft, draw_tree, expected_accepted_dr
 from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import DraftSlots, GenerationContext, StepFeedback, StepHook
 from .kernels import LinearKernels, kernels_of
-from .kvcache import RaggedCache, roomy_cache
+from .kvcache import RaggedCache, displaced, roomy_cache
 from .tree import DraftTree, GrownTree, PathTable, grow_tree, select_tree
 from .verify import (
     Emission,
@@ -276,7 +276,8 @@ class Verification:
 @dataclass
 class StepRead:
     """What the host reads of one step, all at once: the longest accepted path (root included) and the longest row
-    after it (the KV cache's bookkeeping), tokens committed, draft nodes accepted, whether a row finished, and
+    after it (the KV cache's bookkeeping), tokens committed, draft nodes accepted, whether a row finished, whether a
+    row accepted a node outside its own position (``moved``: the cache then gathers slots), and
     (``accepted_by_width``, for the node budget) the expected accepted nodes per row of the step's tree cut to its
     best ``0 .. N`` nodes (empty when nothing was drafted)."""
 
@@ -285,6 +286,7 @@ class StepRead:
     tokens: int
     accepted: int
     finished: bool
+    moved: bool
     accepted_by_width: list[float]
 
 
@@ -614,7 +616,7 @@ class SpeculativeGenerator:
             lp = state.target.logprobs(verdict.logits.gather(1, at)).gather(2, step.tokens[..., None]).squeeze(2)
             state.logprobs[rows[:, None], dest] = lp
         state.done_len[rows] += step.count
-        state.kv.commit(step.accepted, host.width, host.longest)
+        state.kv.commit(step.accepted, host.width, host.longest, host.moved)
         self._count(state, stats, draft, verdict, step, num_acc, host)
         z, candidates, proposed = draft.proposals(step.accepted) if self.hooks else (None, None, None)
         return StepFeedback(rows=rows, root_index=root_index, z=z, candidates=candidates, tree=tree,
@@ -628,14 +630,14 @@ class SpeculativeGenerator:
         anything of the step is committed."""
         counts = torch.stack([
             num_acc.max(), (state.kv.lengths + num_acc).max(), step.count.sum(), num_acc.sum() - num_acc.numel(),
-            step.finished.any().long(), verdict.finite.all().long()])
+            step.finished.any().long(), verdict.finite.all().long(), displaced(step.accepted).any().long()])
         if by_width is not None:  # exact in float64: the counts are far below 2 ** 53
             counts = torch.cat([counts.double(), by_width.double()])
         read = counts.tolist()
-        width, longest, tokens, accepted, finished, finite = (int(v) for v in read[:6])
+        width, longest, tokens, accepted, finished, finite, moved = (int(v) for v in read[:7])
         if not finite:
             self._check_finite(verdict.logits, state.steps, state.rows)
-        return StepRead(width, longest, tokens, accepted, bool(finished), read[6:])
+        return StepRead(width, longest, tokens, accepted, bool(finished), bool(moved), read[7:])
 
     def _count(self, state: DecodeState, stats: GenerationStats, draft: Draft, verdict: Verification,
                step: Emission, num_acc: torch.Tensor, host: StepRead) -> None:

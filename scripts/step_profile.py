@@ -10,6 +10,8 @@
   alternating; the second arm replaces the engine's ``grouped_attention`` by a no-op;
 * ``cache``: ms per step at 0 / 4 draft nodes and 1 / 8 / 32 rows with cache layers that append in place
   (``engine.kvcache.RoomyLayer``, what the engine runs) against transformers' ``DynamicLayer``, alternating;
+* ``commit``: ms per step at 0 / 1 / 4 draft nodes and 1 / 8 rows with a KV commit that moves no slot where every
+  accepted node already sits in its own (what the engine runs) against one that gathers every step, alternating;
 * ``siblings``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the layers that read one input (query, key
   and value; gate and up) packed as one product (what the engine runs) against every layer alone, alternating; then
   the decoder's linears alone in both layouts, ``F.linear`` and packed, at 1-17 rows;
@@ -204,6 +206,17 @@ def cache_layers(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
         **{"batches": (1, 8, 32), "nodes": (0, 4), **cells})
 
 
+def commit_moves(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
+    """A commit that moves no slot where every accepted node already sits in its own (what the engine runs) against
+    one that gathers every step (the engine before 2026-12-07's fifteenth stop); both emit the same tokens."""
+    displaced = engine_module.displaced
+    paired_steps(model, tokenizer, heads, gc, {
+        "skipped": lambda: setattr(engine_module, "displaced", displaced),
+        "gathered": lambda: setattr(engine_module, "displaced",
+                                    lambda accepted: torch.ones_like(accepted, dtype=torch.bool))},
+        **{"batches": (1, 8), "nodes": (0, 1, 4), **cells})
+
+
 def sibling_products(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
     """Siblings in one packed product (what the engine runs) against every layer alone, each arm's kernels chosen by
     its own measurements; then the decoder's linears alone in both layouts at 1-17 rows."""
@@ -364,11 +377,12 @@ def gemm_rate(*_) -> None:
 
 
 # which of --rows (``batches``) and --nodes each part takes
-CELLS = {"attention": ("batches", "nodes"), "cache": ("batches", "nodes"), "siblings": ("batches", "nodes"),
+CELLS = {"attention": ("batches", "nodes"), "cache": ("batches", "nodes"), "commit": ("batches", "nodes"),
+         "siblings": ("batches", "nodes"),
          "profiles": ("batches", "nodes"), "phases": ("batches", "nodes"), "drafting": ("nodes",)}
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
-         "cache": cache_layers, "siblings": sibling_products, "leaving": rows_leaving, "profiles": profiles,
-         "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
+         "cache": cache_layers, "commit": commit_moves, "siblings": sibling_products, "leaving": rows_leaving,
+         "profiles": profiles, "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
 
 
 def main() -> None:
@@ -376,7 +390,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+",
-                        help="rows of the paired parts (attention, cache, siblings), of phases and of profiles")
+                        help="rows of the paired parts (attention, cache, commit, siblings), of phases and of profiles")
     parser.add_argument("--nodes", type=int, nargs="+",
                         help="draft nodes of the side-by-side parts, phases, drafting and profiles")
     args = parser.parse_args()

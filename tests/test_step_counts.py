@@ -25,10 +25,10 @@ def counts(rows: int, **options):
     where some row's accepted node moved does: how often none moves (and the gather is skipped) depends on the rows
     and the tree, not on the per-row or per-node work these guards look for."""
     with patch.object(generator_module, "displaced", lambda accepted: torch.ones_like(accepted, dtype=torch.bool)):
-        return unskipped_counts(rows, **options)
+        return counted_steps(rows, **options)
 
 
-def unskipped_counts(rows: int, **options):
+def counted_steps(rows: int, **options):
     model = make_model(vocab=64, hidden=32, seed=4)
     heads = noisy_heads(model, num_heads=HEADS, std=0.2, kind="path")
     gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=20, eos_token_id=None,

@@ -630,14 +630,15 @@ class SpeculativeGenerator:
         anything of the step is committed."""
         counts = torch.stack([
             num_acc.max(), (state.kv.lengths + num_acc).max(), step.count.sum(), num_acc.sum() - num_acc.numel(),
-            step.finished.any().long(), verdict.finite.all().long(), displaced(step.accepted).any().long()])
-        if by_width is not None:  # exact in float64: the counts are far below 2 ** 53
-            counts = torch.cat([counts.double(), by_width.double()])
+            step.finished.any().long(), verdict.finite.all().long()])
+        if by_width is not None:  # a drafted step: exact in float64, the counts are far below 2 ** 53
+            counts = torch.cat([counts.double(), displaced(step.accepted).any().double()[None], by_width.double()])
         read = counts.tolist()
-        width, longest, tokens, accepted, finished, finite, moved = (int(v) for v in read[:7])
+        width, longest, tokens, accepted, finished, finite = (int(v) for v in read[:6])
         if not finite:
             self._check_finite(verdict.logits, state.steps, state.rows)
-        return StepRead(width, longest, tokens, accepted, bool(finished), bool(moved), read[7:])
+        moved = by_width is not None and bool(read[6])  # a step without a draft appended its root alone: nothing moves
+        return StepRead(width, longest, tokens, accepted, bool(finished), moved, read[7:])
 
     def _count(self, state: DecodeState, stats: GenerationStats, draft: Draft, verdict: Verification,
                step: Emission, num_acc: torch.Tensor, host: StepRead) -> None:

@@ -125,33 +125,28 @@ def phase_times(model, tokenizer, heads, gc, ids, mask, rounds: int = 4, nodes=(
 def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3, nodes=(4,)) -> None:
     """A drawn step's draft and commit in parts at each of ``nodes``, each function's wall time summed over ``rounds``
     calls, per step (the parts nest: ``draw_tree`` holds the heads' blocks and projection)."""
-    for n in nodes:
-        drafting_parts_at(model, heads, gc, ids, mask, rounds, n)
-
-
-def drafting_parts_at(model, heads, gc, ids, mask, rounds: int, num_nodes: int) -> None:
-    engine = SpeculativeGenerator(model, heads, gc, max_nodes=num_nodes, candidates="drawn", capacity=10**9)
-    engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
-    spent = dict.fromkeys(["head blocks", "projection", "draw_tree", "_draft", "rejection_walk", "cut", "kv commit",
-                           "_commit"], 0.0)
-    targets = [(SpeculativeHeads, "head_state", "head blocks"), (VocabProjection, "__call__", "projection"),
-               (engine_module, "draw_tree", "draw_tree"), (engine, "_draft", "_draft"),
-               (engine_module, "rejection_walk", "rejection_walk"), (engine_module, "cut", "cut"),
-               (RaggedCache, "commit", "kv commit"), (engine, "_commit", "_commit")]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
-
-    for (owner, name, label), (_, _, method) in zip(targets, originals):
-        setattr(owner, name, timed(method, spent, label))
-    try:
-        steps = 0
-        for seed in range(rounds):
-            torch.manual_seed(seed)
-            steps += engine.generate(ids, mask).stats.forwards - 1
-    finally:
-        for owner, name, method in originals:
-            setattr(owner, name, method)
-    parts = ", ".join(f"{label.strip('_')} {1000 * seconds / steps:.2f}" for label, seconds in spent.items())
-    print(f"{num_nodes} nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
+    for num_nodes in nodes:
+        engine = SpeculativeGenerator(model, heads, gc, max_nodes=num_nodes, candidates="drawn", capacity=10**9)
+        engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
+        spent = dict.fromkeys(["head blocks", "projection", "draw_tree", "_draft", "rejection_walk", "cut",
+                               "kv commit", "_commit"], 0.0)
+        targets = [(SpeculativeHeads, "head_state", "head blocks"), (VocabProjection, "__call__", "projection"),
+                   (engine_module, "draw_tree", "draw_tree"), (engine, "_draft", "_draft"),
+                   (engine_module, "rejection_walk", "rejection_walk"), (engine_module, "cut", "cut"),
+                   (RaggedCache, "commit", "kv commit"), (engine, "_commit", "_commit")]
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+        for (owner, name, label), (_, _, method) in zip(targets, originals):
+            setattr(owner, name, timed(method, spent, label))
+        try:
+            steps = 0
+            for seed in range(rounds):
+                torch.manual_seed(seed)
+                steps += engine.generate(ids, mask).stats.forwards - 1
+        finally:
+            for owner, name, method in originals:
+                setattr(owner, name, method)
+        parts = ", ".join(f"{label.strip('_')} {1000 * seconds / steps:.2f}" for label, seconds in spent.items())
+        print(f"{num_nodes} nodes, drawn: ms per step: {parts} ({steps} steps)", flush=True)
 
 
 def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, batches=(1, 8), nodes=(0, 4, 16)) -> None:
@@ -378,8 +373,8 @@ def gemm_rate(*_) -> None:
 
 # which of --rows (``batches``) and --nodes each part takes
 CELLS = {"attention": ("batches", "nodes"), "cache": ("batches", "nodes"), "commit": ("batches", "nodes"),
-         "siblings": ("batches", "nodes"),
-         "profiles": ("batches", "nodes"), "phases": ("batches", "nodes"), "drafting": ("nodes",)}
+         "siblings": ("batches", "nodes"), "profiles": ("batches", "nodes"), "phases": ("batches", "nodes"),
+         "drafting": ("nodes",)}
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
          "cache": cache_layers, "commit": commit_moves, "siblings": sibling_products, "leaving": rows_leaving,
          "profiles": profiles, "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}

@@ -84,7 +84,7 @@ def test_the_rejection_chain_runs_once_per_rank_not_once_per_depth():
         def propose(d, frontier, path, path_tokens):
             return torch.zeros(batch, frontier.numel(), 4), torch.randn(batch, frontier.numel(), vocab).log_softmax(-1)
 
-        draft = draw_tree(torch.zeros(batch, dtype=torch.long), shape, propose, lambda i: i, vocab, 0)
+        draft = draw_tree(torch.zeros(batch, dtype=torch.long), shape, propose, None, 0)
         probs = torch.randn(batch, shape.size, vocab).softmax(-1)
         uniforms = torch.rand(batch, depth + 2, 1, dtype=torch.float64)
         with counting(torch.nn.Module()) as (_, result):
@@ -128,7 +128,8 @@ def test_a_drawn_step_reads_the_host_once_outside_its_planning():
     """The drawn trees' shape is planning kept on the host, like the node budget's estimates: rebuilt every
     ``refresh`` steps from one copy of the acceptance rates, its reads are counted with the budget's. The step itself
     reads the host once, as a plain step does (it read 1.6 more per step here when the shape's reads counted as
-    the step's)."""
+    the step's, and one more when ``draw_tree`` compared the heads' indices with the target's ids, ``torch.equal``,
+    to find out that these heads draft over the whole vocabulary)."""
     def engine_counts(**options):
         model = make_model(vocab=64, hidden=32, seed=4)
         heads = noisy_heads(model, num_heads=HEADS, std=0.2, kind="path")

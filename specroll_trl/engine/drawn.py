@@ -263,7 +263,7 @@ class DrawnDraft:
         return self.target_at(probs, nodes), q, torch.where(kids >= 0, kid_index, -1)
 
 
-def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size: int, fixed: int,
+def draw_tree(root: torch.Tensor, shape: TreeShape, propose, draft_ids: torch.Tensor | None, fixed: int,
               embed=None, num_heads: int | None = None) -> DrawnDraft:
     """Draw every node of ``shape`` for each row, depth by depth.
 
@@ -272,8 +272,8 @@ def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size:
         propose: ``(depth, frontier [f] node indices, path [B, f, depth, D] or None, path_tokens [B, f, depth])
             -> (z [B, f, D], logq [B, f, V'])``: the proposal distribution of head ``depth`` at each frontier node
             (log-probabilities over the projection's ``V'`` indices, after the hooks).
-        to_ids: projection indices -> target ids (``V'`` may be a draft vocabulary).
-        vocab_size: ``V`` of the target.
+        draft_ids: ``[V']`` the target id of each projection index (a draft vocabulary), ``None`` for the whole
+            vocabulary (told, not found out: comparing the indices with the ids each step would be a host read).
         fixed: children per node taken as the top tokens of ``q`` instead of drawn.
         embed: the input embedding (path heads read their path through it); ``None`` for independent heads.
     """
@@ -299,7 +299,7 @@ def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size:
             picked = drawn if top is None else torch.cat([top[..., :width], drawn], -1)
         else:
             picked = top[..., :width]
-        ids = to_ids(picked)  # [B, f, width]
+        ids = picked if draft_ids is None else draft_ids[picked]  # [B, f, width]
         has = shape.children[frontier, :width] >= 0  # [f, width]
         tokens[:, kept] = ids.flatten(1)[:, slots]
         index[:, kept] = picked.flatten(1)[:, slots]
@@ -318,10 +318,7 @@ def draw_tree(root: torch.Tensor, shape: TreeShape, propose, to_ids, vocab_size:
                      ancestors=ancestors.expand(batch, -1, -1), path_tokens=path_tokens,
                      path_scores=shape.log_reach[1:].float().expand(batch, -1),
                      source=(torch.arange(size, device=device) - 1).expand(batch, -1), max_depth=shape.max_depth)
-    coordinates = torch.arange(q[0].shape[-1], device=device)
-    vocab = to_ids(coordinates)
-    whole = vocab.numel() == vocab_size and torch.equal(vocab, coordinates)
-    return DrawnDraft(tree, shape, torch.cat(q, 1), slot, index, None if whole else vocab,
+    return DrawnDraft(tree, shape, torch.cat(q, 1), slot, index, draft_ids,
                       GrownTree(tree, frontier_z, frontier_ids, frontier_source, num_heads))
 
 

@@ -519,8 +519,7 @@ class SpeculativeGenerator:
     def _draw(self, state: DecodeState, hooks: TimedHooks, num_nodes: int) -> Draft:
         """A tree of the shape the verifier's measured acceptance favours, its children drawn from the heads' ``q``."""
         shape = self.acceptance.shape(num_nodes, state.rows.device)
-        fixed, to_ids = self.config.fixed_children, state.projection.target_ids
-        vocab = self.heads.config.vocab_size
+        fixed, draft_ids = self.config.fixed_children, state.projection.draft_ids
         if self.embed is not None:
             step = self._head_step(state, hooks)
 
@@ -528,7 +527,7 @@ class SpeculativeGenerator:
                 z, logp, _ = step(depth, state.hidden[:, None].expand(-1, frontier.numel(), -1), path, path_tokens)
                 return z, logp
 
-            drawn = draw_tree(state.root, shape, propose, to_ids, vocab, fixed, state.embed, self.heads.num_heads)
+            drawn = draw_tree(state.root, shape, propose, draft_ids, fixed, state.embed, self.heads.num_heads)
             return Draft(drawn.tree, shape.size - 1, grown=drawn.grown, drawn=drawn, rule="drawn")
         z, head_logp = self._independent_proposals(state, hooks)
 
@@ -536,8 +535,8 @@ class SpeculativeGenerator:
             f = frontier.numel()
             return z[:, None, depth - 1].expand(-1, f, -1), head_logp[:, None, depth - 1].expand(-1, f, -1)
 
-        drawn = draw_tree(state.root, shape, propose, to_ids, vocab, fixed, None, self.heads.num_heads)
-        candidates = to_ids(head_logp.topk(self.config.topk_per_head, dim=-1).indices)
+        drawn = draw_tree(state.root, shape, propose, draft_ids, fixed, None, self.heads.num_heads)
+        candidates = state.projection.target_ids(head_logp.topk(self.config.topk_per_head, dim=-1).indices)
         return Draft(drawn.tree, shape.size - 1, z, candidates, drawn=drawn, rule="drawn")
 
     def _head_step(self, state: DecodeState, hooks: TimedHooks):

@@ -10,11 +10,11 @@ rows, nodes or depths is host time. These counters read them on any device:
   * ``kernels``: those of them that compute or copy (not a view, whose result aliases its input without writing):
     on a GPU, the launches;
   * ``syncs``: calls that must read a tensor's value on the host (a ``TorchFunctionMode``: ``item``, ``tolist``,
-    ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``nonzero``, ``unique``, ``masked_select`` and indexing
-    with a boolean tensor), outside the model's forward and outside the engine's planning; the node budget keeps its
-    estimates in host tensors by design (on a GPU only its copy of a drafted step's path scores crosses), and so does
-    the drawn trees' shape (rebuilt every ``refresh`` steps from one copy of the acceptance rates by rank,
-    ``AcceptanceByRank.shape``), so their reads are counted apart, ``budget_syncs``;
+    ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``nonzero``, ``unique``, ``equal``, ``masked_select``
+    and indexing with a boolean tensor), outside the model's forward and outside the engine's planning; the node
+    budget keeps its estimates in host tensors by design (on a GPU only its copy of a drafted step's path scores
+    crosses), and so does the drawn trees' shape (rebuilt every ``refresh`` steps from one copy of the acceptance
+    rates by rank, ``AcceptanceByRank.shape``), so their reads are counted apart, ``budget_syncs``;
   * ``lines``: Python lines executed in ``specroll_trl/engine`` (``sys.settrace``): what grows with a loop over
     rows or nodes.
 
@@ -38,7 +38,7 @@ from ..engine.drawn import AcceptanceByRank
 ENGINE_DIR = str(Path(__file__).resolve().parents[1] / "engine")
 BUDGET_FILE = str(Path(ENGINE_DIR) / "budget.py")
 PLANNING_CODES = {AcceptanceByRank.shape.__code__}  # host-side planning outside budget.py
-SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique",
+SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "equal",
                 "masked_select", "argwhere"}
 
 

@@ -124,6 +124,67 @@ def test_acceptance_by_rank_follows_what_the_verifier_measures():
     assert shape.depth.tolist() == [0, 1, 2, 2]
 
 
+def walk_by_hand(draft, alpha, uniforms):
+    """One row at a time, depth by depth: at the node it stands on, try its children in rank order, each accepted
+    when the uniform of its depth and rank falls under its chance; enter the first accepted, else stop. Returns the
+    accepted path per row and the chances summed and the children counted per (depth, rank) of every child tried."""
+    shape = draft.shape
+    paths = []
+    alpha_sum = torch.zeros(shape.max_depth, shape.children.shape[1], dtype=torch.float64)
+    tried = torch.zeros_like(alpha_sum)
+    for row in range(uniforms.shape[0]):
+        node, path = 0, [0]
+        for depth in range(shape.max_depth):
+            entered = None
+            for rank, child in enumerate(shape.children[node].tolist()):
+                if child < 0:
+                    break
+                chance = float(alpha[row, draft.slot[node], rank])
+                alpha_sum[depth, rank] += chance
+                tried[depth, rank] += 1
+                if float(uniforms[row, depth, rank]) < chance:
+                    entered = child
+                    break
+            if entered is None:
+                break
+            node = entered
+            path.append(node)
+        paths.append(path + [-1] * (shape.max_depth + 1 - len(path)))
+    return torch.tensor(paths), alpha_sum, tried
+
+
+def test_the_walk_makes_the_decisions_a_walk_depth_by_depth_makes():
+    """``rejection_walk`` decides every child at once; each decision is the one a row walking its tree depth by depth
+    makes, on trees of every shape (deep paths included: the target near the heads' ``q``), over a draft vocabulary
+    and the whole one."""
+    gen = torch.Generator().manual_seed(0)
+    depths = set()
+    for trial in range(60):
+        heads, width = 1 + trial % 4, 1 + trial % 3
+        fixed, batch, vocab_size = trial % (width + 1), 1 + trial % 4, 12
+        vocab = None if trial % 2 else torch.tensor([1, 3, 4, 7, 8, 10])
+        drafted = vocab_size if vocab is None else len(vocab)
+        shape = TreeShape.best_first(torch.rand(heads, width, generator=gen), 1 + trial % 13)
+
+        def propose(d, frontier, path, path_tokens, batch=batch, drafted=drafted):
+            logits = 2 * torch.randn(batch, frontier.numel(), drafted, generator=gen)
+            return torch.zeros(batch, frontier.numel(), 2), logits.log_softmax(-1)
+
+        draft = drawn_mod.draw_tree(torch.zeros(batch, dtype=torch.long), shape, propose, vocab, fixed)
+        q = torch.zeros(batch, shape.size, vocab_size)
+        q[..., torch.arange(vocab_size) if vocab is None else vocab] = draft.q[:, draft.slot]
+        probs = 0.9 * q + 0.1 * torch.randn(batch, shape.size, vocab_size, generator=gen).softmax(-1)
+        uniforms = torch.rand(batch, shape.max_depth + 2, width, dtype=torch.float64, generator=gen)
+        outcome = drawn_mod.rejection_walk(draft, probs, fixed, uniforms)
+        alpha, _ = rank_acceptance(*draft.chain_inputs(probs, drawn_mod.parents_of(shape, batch), width), fixed)
+        path, alpha_sum, tried = walk_by_hand(draft, alpha, uniforms)
+        assert torch.equal(outcome.accepted, path)
+        assert torch.equal(outcome.tried, tried)
+        assert torch.allclose(outcome.alpha_sum, alpha_sum, rtol=0, atol=1e-9)
+        depths.update((path >= 0).sum(1).tolist())
+    assert max(depths) >= 4 and min(depths) == 1  # rows stopping at the root and rows reaching deep
+
+
 def test_chi_square_detects_top_k_candidates_checked_with_p_over_q(monkeypatch):
     model = make_model(vocab=6, hidden=32, scale=6.0, seed=11, eos=1, pad=0)
     heads = noisy_heads(model, std=0.4, seed=1, kind="path")

@@ -353,7 +353,10 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
     """Walk each row's drawn tree from the root by recursive rejection sampling.
 
     The rejection chain runs once over every node that has children, all at once (a chain step per rank, none per
-    depth or node); the walk then only looks up, depth by depth, the chances at the node each row stands on.
+    depth or node). The walk needs no loop either: the uniform that decides child ``r`` of a node at depth ``d`` is
+    ``uniforms[:, d, r]`` wherever the row stands, so every child's accept-or-reject is decided at once, a child is
+    entered when it is the first of its siblings accepted, and a row reaches a node when it entered every node on its
+    path (what a walk depth by depth would do, decision for decision).
 
     Args:
         probs: ``[B, 1+N, V]`` the target's processed distribution at every node.
@@ -364,29 +367,25 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
     batch, device = probs.shape[0], probs.device
     rows = torch.arange(batch, device=device)
     width = max((w for _, w, _, _ in shape.levels), default=0)
-    if width:
-        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, parents_of(shape, batch), width), fixed)
-    current = torch.zeros(batch, dtype=torch.long, device=device)
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
-    stop = current
-    path = [current]
     alpha_sum = torch.zeros((shape.max_depth, shape.children.shape[1]), dtype=torch.float64, device=device)
     tried = torch.zeros_like(alpha_sum)
-    ranks = torch.arange(width, device=device)
-    for d, (_, w, _, _) in enumerate(shape.levels):
-        kids = shape.children[current, :w]  # [B, w]
-        chance = torch.where(kids >= 0, alpha[rows, draft.slot[current], :w], 0.0)  # a leaf's slot is never read
-        hit = (uniforms[:, d, :w] < chance) & alive[:, None]
-        moved = hit.any(1)
-        first = hit.int().argmax(1)
-        was_tried = (kids >= 0) & (ranks[:w] <= torch.where(moved, first, w)[:, None]) & alive[:, None]
-        alpha_sum[d, :w] += (chance.double() * was_tried).sum(0)
-        tried[d, :w] += was_tried.sum(0)
-        stop = torch.where(alive & ~moved, current, stop)
-        current = torch.where(moved, kids[rows, first], current)
-        alive = moved
-        path.append(torch.where(alive, current, -1))
-    stop = torch.where(alive, current, stop)  # the rows still walking stand at a leaf of the deepest depth
+    stop = torch.zeros(batch, dtype=torch.long, device=device)  # the deepest node reached: a lone root's root
+    if width:
+        alpha, residual = rank_acceptance(*draft.chain_inputs(probs, parents_of(shape, batch), width), fixed)
+        exists = shape.children[:, :width] >= 0  # [1+N, w]
+        chance = torch.where(exists, alpha[:, draft.slot], 0.0)  # [B, 1+N, w]; a leaf's slot is never read
+        hit = uniforms[:, shape.depth, :width] < chance
+        after_a_hit = hit.cumsum(-1) > hit.long()  # an earlier sibling was accepted: this one is never tried
+        entered = torch.ones((batch, shape.size), dtype=torch.bool, device=device)
+        entered[:, 1:] = (hit & ~after_a_hit)[:, shape.parent[1:], shape.rank[1:]]
+        reached = entered[:, shape.ancestor_at].all(-1)  # [B, 1+N]: entered every node of its path (the root's too)
+        stop = torch.where(reached, torch.arange(shape.size, device=device), 0).amax(1)  # they form one path
+        was_tried = exists & ~after_a_hit & reached[..., None]  # [B, 1+N, w]: the children tried where rows stood
+        depth = shape.depth.clamp(max=max(shape.max_depth - 1, 0))  # a leaf of the deepest depth tries nothing
+        alpha_sum[:, :width].index_add_(0, depth, (chance.double() * was_tried).sum(0))
+        tried[:, :width].index_add_(0, depth, was_tried.sum(0).double())
+    depths = torch.arange(shape.max_depth + 1, device=device)
+    accepted = torch.where(depths <= shape.depth[stop][:, None], shape.ancestor_at[stop, :shape.max_depth + 1], -1)
     # where a row stopped: past its children's rejections, the chain's residual; at a leaf, p itself
     final = draft.target_at(probs, stop)
     if width:
@@ -399,7 +398,7 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
         next_root = torch.where(next_root == draft.vocab.numel(), off, draft.vocab[next_root.clamp(
             max=draft.vocab.numel() - 1)])
     reach = node_reach(draft, alpha) if width else torch.ones((batch, 1), dtype=torch.float64, device=device)
-    return RejectionOutcome(torch.stack(path, 1), next_root, alpha_sum, tried, reach)
+    return RejectionOutcome(accepted, next_root, alpha_sum, tried, reach)
 
 
 def parents_of(shape: TreeShape, batch: int) -> torch.Tensor:

@@ -369,7 +369,7 @@ def rejection_walk(draft: DrawnDraft, probs: torch.Tensor, fixed: int, uniforms:
     width = max((w for _, w, _, _ in shape.levels), default=0)
     alpha_sum = torch.zeros((shape.max_depth, shape.children.shape[1]), dtype=torch.float64, device=device)
     tried = torch.zeros_like(alpha_sum)
-    stop = torch.zeros(batch, dtype=torch.long, device=device)  # the deepest node reached: a lone root's root
+    stop = torch.zeros(batch, dtype=torch.long, device=device)  # where each row stops (a lone root: there)
     if width:
         alpha, residual = rank_acceptance(*draft.chain_inputs(probs, parents_of(shape, batch), width), fixed)
         exists = shape.children[:, :width] >= 0  # [1+N, w]

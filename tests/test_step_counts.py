@@ -24,11 +24,6 @@ def counts(rows: int, **options):
     """Per-step counts of an engine over ``rows`` rows. Every step's commit gathers the cache's slots here, as a step
     where some row's accepted node moved does: how often none moves (and the gather is skipped) depends on the rows
     and the tree, not on the per-row or per-node work these guards look for."""
-    with patch.object(generator_module, "displaced", lambda accepted: torch.ones_like(accepted, dtype=torch.bool)):
-        return counted_steps(rows, **options)
-
-
-def counted_steps(rows: int, **options):
     model = make_model(vocab=64, hidden=32, seed=4)
     heads = noisy_heads(model, num_heads=HEADS, std=0.2, kind="path")
     gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=20, eos_token_id=None,
@@ -38,8 +33,9 @@ def counted_steps(rows: int, **options):
     torch.manual_seed(0)
     engine.kernels.choice = Always(False)  # settled: measuring the kernels is once per bucket of rows, not per step
     ids = torch.randint(2, 64, (rows, 6))
-    engine.generate(ids, torch.ones_like(ids))
-    return count_engine(engine, ids, torch.ones_like(ids))
+    with patch.object(generator_module, "displaced", lambda accepted: torch.ones_like(accepted, dtype=torch.bool)):
+        engine.generate(ids, torch.ones_like(ids))
+        return count_engine(engine, ids, torch.ones_like(ids))
 
 
 @pytest.mark.parametrize("options", [dict(max_nodes=0), dict(max_nodes=4, candidates="top-k"),

@@ -488,3 +488,37 @@ def test_the_budget_does_not_time_steps_that_pack_or_measure_kernels():
     engine.generate(ids, mask)  # choices made: only steps that use a layer first in the call pack it again
     changed = [True] + [a != b for a, b in zip(setup, setup[1:])]
     assert timed == [not c for c in changed] and not timed[0] and sum(timed) > len(timed) / 2
+
+
+def test_a_step_that_measures_only_the_heads_kernels_is_timed():
+    """Measuring a drafting layer costs a step ~1 ms: untimed, the first drafted steps at a rare row count (all of them
+    measuring the heads) were the budget's only chances to learn what drafting costs there."""
+    model = make_model(vocab=40, seed=5)
+    heads = noisy_heads(model, std=0.3, kind="path")
+    gc = GenerationConfig(do_sample=True, max_new_tokens=64, eos_token_id=None, pad_token_id=0)
+    engine = SpeculativeGenerator(model, heads, gc, max_nodes=4, capacity=64)
+    kernels, steps = engine.kernels, []
+    ids, mask = left_padded([[5, 6, 7], [3, 4]])
+    engine.generate(ids, mask)  # every kernel chosen; then the heads' choices forgotten: only theirs are measured
+    for table in (kernels.choice, kernels.trials):
+        for key in [key for key in table if key[0][-1]]:  # a shape's last field: a drafting layer's
+            del table[key]
+
+    def heads_samples() -> int:
+        return sum(len(t) for key, times in kernels.trials.items() if key[0][-1] for t in times)
+
+    before = [kernels.setup_calls, heads_samples()]
+    observe = engine.budget.observe
+
+    def spy(rows, nodes, seconds, *args):
+        now = [kernels.setup_calls, heads_samples()]
+        steps.append((seconds is not None, now[0] != before[0], now[1] != before[1]))
+        before[:] = now
+        return observe(rows, nodes, seconds, *args)
+
+    engine.budget.observe = spy
+    torch.manual_seed(0)
+    engine.generate(ids, mask)
+    measured_heads_only = [timed for timed, setup, heads_measured in steps if heads_measured and not setup]
+    assert measured_heads_only and all(measured_heads_only)
+    assert all(not timed for timed, setup, _ in steps if setup)

@@ -430,7 +430,7 @@ class SpeculativeGenerator:
                 verdict = self._verify(state, draft.tree, draft.drawn is not None)
                 step, host = self._commit(state, draft, verdict, stats)
                 hooks.call("feedback", step)
-                timed = self.kernels.setup_calls == setup_calls  # no packing nor kernel measurement in this step
+                timed = self.kernels.setup_calls == setup_calls  # nothing packed, none of the model's kernels measured
                 self._observe_budget(draft, step, host, step_start if timed else None)
                 self._retire(state, step, verdict, host)
         stats.pack_seconds = self.kernels.pack_seconds - pack_seconds
@@ -659,7 +659,7 @@ class SpeculativeGenerator:
 
     def _observe_budget(self, draft: Draft, step: StepFeedback, host: StepRead, start: float | None) -> None:
         """Report the step to the node budget: its width, wall time and acceptance (no time where ``start`` is
-        ``None``: a step whose forward packed weights or measured the linear kernels, up to twice as slow as a
+        ``None``: a step that packed weights or measured the model's linear kernels, up to twice as slow as a
         typical one, would be the only sample of its width for a while and keep the budget from drafting it)."""
         if start is not None and step.count.is_cuda:
             torch.cuda.synchronize()

@@ -181,7 +181,12 @@ class LinearKernels:
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.running = False
         self.pack_seconds = 0.0
-        self.setup_calls = 0  # calls that packed a weight or measured the kernels: a forward with one is not typical
+        # calls that packed a weight or measured the model's kernels: a step with one is not typical (up to twice as
+        # slow). A drafting layer measured costs a step ~1 ms at most and is not counted: a width first drafted at a
+        # rare row count measures the heads' kernels in its first nine drafted steps, and left untimed those were
+        # the budget's only chances to learn that width's cost there (at eight rows, one thread, 143 plain steps of
+        # four rows in one call, the few drafted ones all measuring the heads)
+        self.setup_calls = 0
 
     def units(self) -> list[tuple[nn.Linear, ...]]:
         """The model's eligible layers as they are computed: siblings together (once learnt), the others alone."""
@@ -266,7 +271,7 @@ class LinearKernels:
             out = self._compute(trial.kernel, module, siblings, x)
             trial.seconds += time.perf_counter() - start
             trial.calls += leads  # a call: all the siblings, one product packed or one call each
-            self.setup_calls += 1
+            self.setup_calls += not drafting
             return out
 
         return forward

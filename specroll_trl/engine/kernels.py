@@ -183,9 +183,9 @@ class LinearKernels:
         self.pack_seconds = 0.0
         # calls that packed a weight or measured the model's kernels: a step with one is not typical (up to twice as
         # slow). A drafting layer measured costs a step ~1 ms at most and is not counted: a width first drafted at a
-        # rare row count measures the heads' kernels in its first nine drafted steps, and left untimed those were
-        # the budget's only chances to learn that width's cost there (at eight rows, one thread: 143 plain steps at
-        # three or four rows in one call, its four drafted ones all untimed)
+        # rare row count measures the heads' kernels in up to nine of its first drafted steps, and left untimed
+        # those were the budget's only chances to learn that width's cost there (at eight rows, one thread: 143
+        # plain steps at three or four rows in one call, its four drafted ones all untimed)
         self.setup_calls = 0
 
     def units(self) -> list[tuple[nn.Linear, ...]]:

@@ -214,6 +214,10 @@ def _bench_heads(args, run: dict) -> int:
     from .experiments.bench import write_results
     from .experiments.heads_bench import plot_heads, step_cost, tau_sweep
 
+    if args.cost_repeats < 1:
+        print(f"specroll-trl bench heads: error: --cost-repeats must be at least 1, got {args.cost_repeats}",
+              file=sys.stderr)
+        return 2
     model, tokenizer = zoo.load_policy(args.model, dtype=getattr(torch, args.dtype))
     if args.heads:
         heads = dict(item.split("=", 1) if "=" in item else (Path(item).name, item) for item in args.heads)
@@ -226,7 +230,8 @@ def _bench_heads(args, run: dict) -> int:
                              groups=args.groups, device=args.device)
     if run["cost_batch_sizes"]:
         records += step_cost(model, tokenizer, next(iter(heads.values())), batch_sizes=run["cost_batch_sizes"],
-                             node_counts=[0, *run["nodes"]], device=args.device, unpacked=args.unpacked)
+                             node_counts=[0, *run["nodes"]], repeats=args.cost_repeats, device=args.device,
+                             unpacked=args.unpacked)
     if args.out:
         write_results(records, args.out, plot=False)
         plot_heads(records, Path(args.out).with_suffix(".png"))
@@ -406,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="step costs also with the model's own linear kernels (kernels: f_linear)")
     hb.add_argument("--cost-batch-sizes", type=int, nargs="*", default=None,
                     help=f"batch sizes of the step-cost curve, none to skip it {says('cost_batch_sizes')}")
+    hb.add_argument("--cost-repeats", type=int, default=3,
+                    help="step-cost calls per node count, the node counts alternating; each ratio is of medians")
     hb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     hb.add_argument("--device", default="cpu", help="device (cpu, cuda)")
 

@@ -227,6 +227,15 @@ def test_every_cli_flag_is_honoured_or_refused(command, tmp_path, monkeypatch):
             f"`{command} {action.option_strings[0]}` was silently ignored"
 
 
+def test_bench_heads_refuses_a_step_cost_without_repeats(capsys):
+    from specroll_trl.experiments.heads_bench import step_cost
+
+    assert main(["bench", "heads", "--model", "nano", "--cost-repeats", "0"]) == 2
+    assert "--cost-repeats must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="at least one repeat"):
+        step_cost(None, None, "unused", repeats=0)
+
+
 def test_train_heads_refuses_toy_flags_for_the_preset_recipe_and_resample_for_a_toy(tmp_path, capsys):
     assert main(["train-heads", "--model", "smollm2-135m", "--out", str(tmp_path), "--steps", "5"]) == 2
     assert "--steps do not apply to 'smollm2-135m'" in capsys.readouterr().err

@@ -88,6 +88,8 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
     ``step_with_packing_s`` spreads them over the call's steps (a ``max_new_tokens`` call); with
     ``unpacked``, the same with the model's own linear kernels (``pack_linears=False``, records ``kernels:
     "f_linear"``) alternated with the engine's measured choice (``"measured"``), each against its own plain step."""
+    if repeats < 1:
+        raise ValueError(f"step_cost needs at least one repeat, got repeats={repeats}")
     model = model.to(device)
     heads = SpeculativeHeads.from_pretrained(heads_folder, device=model.device, dtype=model.dtype)
     gc = sampling_config(model, temperature, max_new_tokens)

@@ -194,9 +194,12 @@ def test_heads_bench_measures_tau_per_tree_size_and_the_step_cost(nano, tmp_path
     assert [(r["nodes"], r["temperature"]) for r in taus] == [(1, 1.0), (8, 1.0)]
     assert all(1.0 <= r["tau"] <= 1 + len(r["accept_per_head"]) and r["tokens"] > 0 for r in taus)
     assert len(taus[0]["accept_per_head"]) == 4 and taus[0]["accept_per_head"][1] == 0.0  # one node: depth 1 only
-    costs = step_cost(model, tokenizer, folder, batch_sizes=(2,), node_counts=(0, 4), max_new_tokens=8, repeats=1,
+    costs = step_cost(model, tokenizer, folder, batch_sizes=(2,), node_counts=(0, 4), max_new_tokens=8, repeats=2,
                       progress=False)
     assert [r["nodes"] for r in costs] == [0, 4] and costs[0]["relative"] == 1.0 and costs[1]["step_s"] > 0
+    # each repeat against its own plain call
+    assert costs[0]["relative_by_repeat"] == [1.0, 1.0]
+    assert len(costs[1]["relative_by_repeat"]) == 2 and all(r > 0 for r in costs[1]["relative_by_repeat"])
     # the weights packed once per call are reported apart, and spread over the call's steps beside
     assert all(r["pack_s"] >= 0 and r["step_with_packing_s"] >= r["step_s"] for r in costs)
     assert costs[0]["relative_with_packing"] == 1.0

@@ -87,7 +87,9 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
     weights the kernels pack once per call (``pack_s``, per call) are not a step's: ``step_s`` leaves them out and
     ``step_with_packing_s`` spreads them over the call's steps (a ``max_new_tokens`` call); with
     ``unpacked``, the same with the model's own linear kernels (``pack_linears=False``, records ``kernels:
-    "f_linear"``) alternated with the engine's measured choice (``"measured"``), each against its own plain step."""
+    "f_linear"``) alternated with the engine's measured choice (``"measured"``), each against its own plain step.
+    ``relative_by_repeat`` holds each repeat's ratio to that repeat's plain call: the machine's drift over a run,
+    which a ratio of medians keeps, cancels there."""
     if repeats < 1:
         raise ValueError(f"step_cost needs at least one repeat, got repeats={repeats}")
     model = model.to(device)
@@ -122,13 +124,16 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
             for n in node_counts:
                 step, packed = statistics.median(per_step[kind, n]), statistics.median(with_packing[kind, n])
                 pack = statistics.median(packing[kind, n])
+                by_repeat = [a / b for a, b in zip(per_step[kind, n], per_step[kind, 0])]
                 records.append({"batch_size": batch, "nodes": n, "step_s": step, "relative": step / base,
                                 "break_even_tau": step / base, "kernels": kind, "pack_s": pack,
-                                "step_with_packing_s": packed, "relative_with_packing": packed / base_packing})
+                                "step_with_packing_s": packed, "relative_with_packing": packed / base_packing,
+                                "relative_by_repeat": by_repeat})
                 if progress:
                     print(f"batch {batch:>2} nodes {n:>2} {kind:>8}: step {1000 * step:7.1f} ms = {step / base:.2f}x "
-                          f"a plain step; packing {1000 * pack:.0f} ms a call, {packed / base_packing:.2f}x with it "
-                          f"spread over {max_new_tokens} tokens", flush=True)
+                          f"a plain step (by repeat, median {statistics.median(by_repeat):.2f}x); packing "
+                          f"{1000 * pack:.0f} ms a call, {packed / base_packing:.2f}x with it spread over "
+                          f"{max_new_tokens} tokens", flush=True)
     return records
 
 

@@ -231,7 +231,7 @@ def _bench_heads(args, run: dict) -> int:
     if run["cost_batch_sizes"]:
         records += step_cost(model, tokenizer, next(iter(heads.values())), batch_sizes=run["cost_batch_sizes"],
                              node_counts=[0, *run["nodes"]], repeats=args.cost_repeats, device=args.device,
-                             unpacked=args.unpacked)
+                             unpacked=args.unpacked, rules=tuple(args.rules))
     if args.out:
         write_results(records, args.out, plot=False)
         plot_heads(records, Path(args.out).with_suffix(".png"))
@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     hb.add_argument("--nodes", type=int, nargs="+", default=None, help=f"draft nodes per row {says('nodes')}")
     hb.add_argument("--temperatures", type=float, nargs="+", default=None, help=says("temperatures"))
     hb.add_argument("--rules", nargs="+", default=["drawn"],
-                    help="verification rules to compare: top-k, drawn, drawn+F (F fixed top-of-q children per node)")
+                    help="verification rules to compare, in tau and in step cost: top-k, drawn, drawn+F (F fixed "
+                         "top-of-q children per node)")
     hb.add_argument("--groups", type=int, default=1, help="run the prompts as this many batches (tau per group)")
     hb.add_argument("--prompts", type=int, default=None,
                     help=f"GSM8K-test chat prompts from row 1000 on, 0 to skip the tau sweep {says('prompts')}")

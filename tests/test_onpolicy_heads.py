@@ -195,8 +195,11 @@ def test_heads_bench_measures_tau_per_tree_size_and_the_step_cost(nano, tmp_path
     assert all(1.0 <= r["tau"] <= 1 + len(r["accept_per_head"]) and r["tokens"] > 0 for r in taus)
     assert len(taus[0]["accept_per_head"]) == 4 and taus[0]["accept_per_head"][1] == 0.0  # one node: depth 1 only
     costs = step_cost(model, tokenizer, folder, batch_sizes=(2,), node_counts=(0, 4), max_new_tokens=8, repeats=2,
-                      progress=False)
-    assert [r["nodes"] for r in costs] == [0, 4] and costs[0]["relative"] == 1.0 and costs[1]["step_s"] > 0
+                      progress=False, rules=("drawn", "top-k"))
+    # one plain step shared by the rules, then each rule's own engine
+    assert [(r["rule"], r["nodes"]) for r in costs] == [(None, 0), ("drawn", 4), ("top-k", 4)]
+    assert costs[0]["relative"] == 1.0 and all(r["step_s"] > 0 for r in costs)
+    assert [r["drawn_share"] for r in costs] == [None, 1.0, 0.0]  # every drafted step by its engine's rule
     # each repeat against its own plain call
     assert costs[0]["relative_by_repeat"] == [1.0, 1.0]
     assert len(costs[1]["relative_by_repeat"]) == 2 and all(r > 0 for r in costs[1]["relative_by_repeat"])

@@ -81,15 +81,20 @@ def tau_sweep(model, tokenizer, heads: dict[str, str | Path], node_counts=(2, 4,
 @torch.no_grad()
 def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32), node_counts=(0, 2, 4, 8, 16, 32),
               max_new_tokens: int = 48, repeats: int = 3, temperature: float = 0.7, device: str = "cpu",
-              progress: bool = True, unpacked: bool = False) -> list[dict]:
-    """One record per (batch size, nodes): the median seconds of one decoding step (draft + verify + commit, the
-    prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat. The
+              progress: bool = True, unpacked: bool = False, rules=("drawn",)) -> list[dict]:
+    """One record per (batch size, rule, nodes): the median seconds of one decoding step (draft + verify + commit, the
+    prefill excluded) and its ratio to a step without drafting, alternating node counts within each repeat. Each
+    verification rule (``rule_options``) drafts every step of its own engine: a step's cost depends on its rule (a
+    top-k tree's frontier is wider than a drawn one's), and an engine left to choose would mix them by its estimates
+    (at four nodes, T=0.7, one run's engine drew 1-4 of ~20 steps, another's 18-26). The plain step (0 nodes, rule
+    ``None``) is shared by the rules. The
     weights the kernels pack once per call (``pack_s``, per call) are not a step's: ``step_s`` leaves them out and
     ``step_with_packing_s`` spreads them over the call's steps (a ``max_new_tokens`` call); with
     ``unpacked``, the same with the model's own linear kernels (``pack_linears=False``, records ``kernels:
     "f_linear"``) alternated with the engine's measured choice (``"measured"``), each against its own plain step.
     ``relative_by_repeat`` holds each repeat's ratio to that repeat's plain call: the machine's drift over a run,
-    which a ratio of medians keeps, cancels there."""
+    which a ratio of medians keeps, cancels there; ``drawn_share``, the share of drafted row-steps whose candidates
+    were drawn."""
     if repeats < 1:
         raise ValueError(f"step_cost needs at least one repeat, got repeats={repeats}")
     model = model.to(device)
@@ -99,15 +104,18 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
     for batch in batch_sizes:
         ids, mask = (t.to(model.device) for t in left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id))
         kinds = ("measured", "f_linear") if unpacked else ("measured",)
-        engines = {(kind, n): SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=n,
-                                                   pack_linears=kind == "measured")
-                   for kind in kinds for n in node_counts}
+        cells = [(None, 0)] + [(rule, n) for rule in rules for n in node_counts if n]
+        engines = {(kind, rule, n): SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=n,
+                                                         pack_linears=kind == "measured",
+                                                         **(rule_options(rule) if n else {}))
+                   for kind in kinds for rule, n in cells}
         for engine in engines.values():  # warm-up: the kernels' choice for each width is measured here
             engine.generate(ids, mask, max_new_tokens=8)
         per_step, with_packing, packing = ({key: [] for key in engines} for _ in range(3))
+        drafted = {key: [0, 0] for key in engines}  # row-steps drafted, of them drawn
         for r in range(repeats):
             start = time.perf_counter()
-            engines["measured", 0].generate(ids, mask, max_new_tokens=1)
+            engines["measured", None, 0].generate(ids, mask, max_new_tokens=1)
             if ids.is_cuda:
                 torch.cuda.synchronize()
             prefill = time.perf_counter() - start
@@ -118,19 +126,25 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
                 with_packing[key].append((stats.seconds - prefill) / steps)
                 per_step[key].append((stats.seconds - prefill - stats.pack_seconds) / steps)
                 packing[key].append(stats.pack_seconds)
+                drafted[key][0] += stats.drafted_row_steps
+                drafted[key][1] += stats.drawn_row_steps
         for kind in kinds:
-            base = statistics.median(per_step[kind, 0])
-            base_packing = statistics.median(with_packing[kind, 0])
-            for n in node_counts:
-                step, packed = statistics.median(per_step[kind, n]), statistics.median(with_packing[kind, n])
-                pack = statistics.median(packing[kind, n])
-                by_repeat = [a / b for a, b in zip(per_step[kind, n], per_step[kind, 0])]
-                records.append({"batch_size": batch, "nodes": n, "step_s": step, "relative": step / base,
+            plain = kind, None, 0
+            base = statistics.median(per_step[plain])
+            base_packing = statistics.median(with_packing[plain])
+            for rule, n in cells:
+                key = kind, rule, n
+                step, packed = statistics.median(per_step[key]), statistics.median(with_packing[key])
+                pack = statistics.median(packing[key])
+                by_repeat = [a / b for a, b in zip(per_step[key], per_step[plain])]
+                records.append({"batch_size": batch, "nodes": n, "rule": rule, "step_s": step, "relative": step / base,
                                 "break_even_tau": step / base, "kernels": kind, "pack_s": pack,
                                 "step_with_packing_s": packed, "relative_with_packing": packed / base_packing,
-                                "relative_by_repeat": by_repeat})
+                                "relative_by_repeat": by_repeat,
+                                "drawn_share": drafted[key][1] / drafted[key][0] if drafted[key][0] else None})
                 if progress:
-                    print(f"batch {batch:>2} nodes {n:>2} {kind:>8}: step {1000 * step:7.1f} ms = {step / base:.2f}x "
+                    print(f"batch {batch:>2} nodes {n:>2} {rule or 'plain':>6} {kind:>8}: step {1000 * step:7.1f} ms = "
+                          f"{step / base:.2f}x "
                           f"a plain step (by repeat, median {statistics.median(by_repeat):.2f}x); packing "
                           f"{1000 * pack:.0f} ms a call, {packed / base_packing:.2f}x with it spread over "
                           f"{max_new_tokens} tokens", flush=True)
@@ -153,13 +167,17 @@ def plot_heads(records: list[dict], path: str | Path) -> None:
                 ls="-" if temperature == 0.7 else "--", label=f"{name}{f', {rule}' if rule else ''}, T={temperature}")
     costs = [r for r in records if "break_even_tau" in r]
     batches = sorted({r["batch_size"] for r in costs})
-    for batch, kind in dict.fromkeys((r["batch_size"], r.get("kernels", "measured")) for r in costs):
-        rows = [r for r in costs if r["batch_size"] == batch and r.get("kernels", "measured") == kind]
+    rules = [r.get("rule") for r in costs if r["nodes"]]
+    for batch, kind, rule in dict.fromkeys((r["batch_size"], r.get("kernels", "measured"), r.get("rule"))
+                                           for r in costs if r["nodes"]):
+        rows = [r for r in costs if r["batch_size"] == batch and r.get("kernels", "measured") == kind
+                and (r.get("rule") == rule or not r["nodes"])]  # each rule's line starts at the shared plain step
         shade = batches.index(batch) / max(1, len(batches) - 1)  # more rows, lighter
-        ax.plot([r["nodes"] for r in rows], [r["break_even_tau"] for r in rows], ls=":",
+        ax.plot([r["nodes"] for r in rows], [r["break_even_tau"] for r in rows], ls=":" if rule != "top-k" else "-.",
                 color=(0.1 + 0.55 * shade,) * 3 if kind == "measured" else (0.95, 0.5 - 0.3 * shade, 0.5 - 0.3 * shade),
                 marker="o^sD"[batches.index(batch) % 4], markersize=4,
-                label=f"break-even tau here, {batch} row{'s' * (batch > 1)}{', F.linear' * (kind == 'f_linear')}")
+                label=f"break-even tau here, {batch} row{'s' * (batch > 1)}{', F.linear' * (kind == 'f_linear')}"
+                      f"{f', {rule}' if rule and len(set(rules)) > 1 else ''}")
     ax.set_xscale("symlog", base=2)
     ax.set_xlabel("draft nodes per row")
     ax.set_ylabel("tau (tokens per target forward per row)")

@@ -238,6 +238,20 @@ def test_a_budget_plans_within_the_rules_a_call_can_use(budget):
     assert "top-k" in budget.by_rule and budget.plan(1)[0] == "drawn"
 
 
+def test_an_online_budget_of_no_nodes_never_drafts(nano):
+    """``max_nodes=0`` under the online budget (``spec_max_nodes=0``): every step plain, exploration included (it
+    once asked the other rule for width 1, past the end of its estimates)."""
+    budget = OnlineBudget(max_nodes=0, rules=("drawn", "top-k"), explore=1.0, seed=0)
+    for _ in range(20):
+        rule, n = budget.plan(1)
+        assert n == 0
+        budget.observe(1, n, 1.0, 0.0, None, rule)
+    model, _, heads = nano
+    _, ids, mask, gc = nano_sampling_inputs(nano, 4, seed=3, temperature=1.0, max_new_tokens=24)
+    out = SpeculativeGenerator(model, heads, gc, max_nodes=0).generate(ids, mask)
+    assert out.stats.drafted_row_steps == 0 and all(len(c) > 0 for c in out.completion_ids)
+
+
 def test_greedy_calls_draft_top_k_trees_only(nano):
     model, tokenizer, heads = nano
     _, ids, mask, _ = nano_sampling_inputs(nano, 4, seed=904)

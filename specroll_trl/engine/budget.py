@@ -302,7 +302,7 @@ class OnlineBudget(NodeBudget):
 
     def plan(self, active_rows: int, rules: tuple[str, ...] | None = None) -> tuple[str, int]:
         rules = self._usable(rules)
-        if active_rows <= 0:
+        if active_rows <= 0 or self.max_nodes == 0:  # nothing to draft (exploring the other rule would ask width 1)
             return rules[0], 0
         measured = self.width_seconds.get(self._bucket(active_rows))
         if measured is not None and measured[0, 0] == 0:

@@ -70,17 +70,23 @@ def learnt(model) -> LinearKernels:
 
 
 def force(monkeypatch, model, kernel: str) -> list[int]:
-    """Every forward of ``model`` through ``kernel`` (``packed``, or ``streamed`` in chunks of its most rows),
-    whatever its row count (the proofs' worst case); returns the row counts of the kernel's calls."""
+    """Every forward of ``model`` through ``kernel`` (``packed``; ``padded``, every call's rows padded; or
+    ``streamed`` in chunks of its most rows), whatever its row count (the proofs' worst case); returns the row counts
+    of the kernel's calls."""
     calls = []
     monkeypatch.setattr(kernels_mod, "MAX_PACKED_ROWS", 1 << 20)
-    if kernel == "packed":
-        def counted(x, packed, bias, packed_linear=kernels_mod.packed_linear):
-            calls.append(x.numel() // x.shape[-1])
-            return packed_linear(x, packed, bias)
+    if kernel in ("packed", "padded"):
+        name = f"{kernel}_linear"
+        monkeypatch.setattr(kernels_mod, "PADDED_ROWS", 1 << 16)  # every call padded, the proofs' thousands of rows too
 
-        monkeypatch.setattr(kernels_mod, "packed_linear", counted)
-        kernels_of(model).choice = Always(kernels_mod.PACKED)
+        linear = getattr(kernels_mod, name)
+
+        def counted(x, packed, bias):
+            calls.append(x.numel() // x.shape[-1])
+            return linear(x, packed, bias)
+
+        monkeypatch.setattr(kernels_mod, name, counted)
+        kernels_of(model).choice = Always(kernels_mod.PACKED if kernel == "packed" else kernels_mod.PADDED)
         return calls
 
     def chunked(x, weights, biases):
@@ -95,7 +101,7 @@ def force(monkeypatch, model, kernel: str) -> list[int]:
     return calls
 
 
-FORCED = ["packed", pytest.param("streamed", marks=needs_streamed)]
+FORCED = ["packed", "padded", pytest.param("streamed", marks=needs_streamed)]
 
 
 def logits(model, ids):
@@ -118,6 +124,18 @@ def test_packed_forward_matches_f_linear_and_restores_the_modules():
     with pytest.raises(RuntimeError, match="boom"), kernels.active(), kernels.forward(14):
         raise RuntimeError("boom")
     assert all("forward" not in m.__dict__ for m in kernels.modules) and kernels.bucket is None
+
+
+def test_padded_kernel_matches_f_linear_and_returns_only_the_rows_asked():
+    """Fewer rows than ``PADDED_ROWS`` are computed padded with zeros, the padding's outputs dropped (the rows kept
+    are a view of the product's first rows); more rows are computed as they are."""
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 3)
+    for shape in [(1, 24), (1, 1, 24), (3, 24), (1, 2, 24), (2, 3, 24), (5, 24)]:
+        x = torch.randn(shape)
+        out = kernels_mod.padded_linear(x, packed, bias)
+        assert out.shape == (*shape[:-1], 40) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
 def test_siblings_are_the_layers_a_forward_calls_on_one_input():
@@ -216,10 +234,12 @@ def slow_but(monkeypatch, fast: str, calls: list, seconds: float = 0.01) -> None
     delay = lambda name: 0 if name == fast else seconds  # noqa: E731
     monkeypatch.setattr(kernels_mod, "packed_linear", slowed(calls, kernels_mod.packed_linear, "packed", delay))
     monkeypatch.setattr(kernels_mod, "streamed_linears", slowed(calls, kernels_mod.streamed_linears, "streamed", delay))
+    monkeypatch.setattr(kernels_mod, "padded_linear", slowed(calls, kernels_mod.padded_linear, "padded", delay))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(calls, F.linear, "f_linear", delay)))
 
 
-KERNEL_NAMES = {kernels_mod.LINEAR: "f_linear", kernels_mod.PACKED: "packed", kernels_mod.STREAMED: "streamed"}
+KERNEL_NAMES = {kernels_mod.LINEAR: "f_linear", kernels_mod.PACKED: "packed", kernels_mod.STREAMED: "streamed",
+                kernels_mod.PADDED: "padded"}
 
 
 @pytest.mark.parametrize("fast", [pytest.param(name, marks=needs_streamed) if name == "streamed" else name
@@ -296,6 +316,7 @@ def test_every_layer_of_a_shape_runs_one_kernel_in_a_forward_while_measured(monk
     timed on other layers and in a cache the other kernel's reads had just disturbed."""
     last = []
     monkeypatch.setattr(kernels_mod, "packed_linear", slowed(last, kernels_mod.packed_linear, "packed", lambda _: 0))
+    monkeypatch.setattr(kernels_mod, "padded_linear", slowed(last, kernels_mod.padded_linear, "padded", lambda _: 0))
     monkeypatch.setattr(kernels_mod, "F", SimpleNamespace(linear=slowed(last, F.linear, "f_linear", lambda _: 0)))
     monkeypatch.setattr(kernels_mod, "streamed_linears",
                         slowed(last, kernels_mod.streamed_linears, "streamed", lambda _: 0))
@@ -371,6 +392,7 @@ def test_greedy_identity_with_every_forward_through(monkeypatch, kernel):
     assert out.completion_ids == generate_reference(model, ids, mask, gc)
     assert kernels_of(model).trials == {}  # nothing measured: every forward ran through the kernel
     assert len(calls) > 100 and max(calls) > MAX_ROWS  # every forward through it, the wide ones (prefill) too
+    assert kernel != "padded" or max(calls) < kernels_mod.PADDED_ROWS  # every call padded
     assert len(kernels_of(model).units()) < len(kernels_of(model).modules)  # siblings in one product
 
 
@@ -401,6 +423,7 @@ def test_sampling_is_exact_with_every_forward_through(monkeypatch, rule, kernel)
     gc = GenerationConfig(do_sample=True, temperature=0.9, top_k=4, max_new_tokens=3, eos_token_id=1, pad_token_id=0)
     samples, stats = engine_samples(model, heads, gc, n_per_prompt=4000, seed=2, candidates=rule)
     assert stats.drafted_row_steps > 0 and calls and len(kernels_of(model).units()) < len(kernels_of(model).modules)
+    assert kernel != "padded" or max(calls) < kernels_mod.PADDED_ROWS
     for prompt, rows in zip(PROMPTS, samples):
         assert chi_square_pvalue(rows, exact_completion_distribution(model, prompt, gc)) > 1e-3
 

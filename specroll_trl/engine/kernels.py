@@ -1,5 +1,6 @@
 """``LinearKernels``: which kernel computes each of a model's linear layers in a forward over a given number of query
-rows: ``F.linear``, the oneDNN-packed kernel or the streamed one (``engine/streamed.py``).
+rows: ``F.linear``, the oneDNN-packed kernel (over the rows as they are, or padded), or the streamed one
+(``engine/streamed.py``).
 
 A verification forward over a few query tokens is where a CPU BLAS pays most above what reading the weights costs:
 for more than one row ``F.linear`` runs a GEMM that repacks the weight on every call, so a forward over 3 tokens
@@ -7,7 +8,10 @@ costs about 1.7x one token's although it reads the same weights (``benchmarks/RE
 weight-read limit"). A weight packed once in oneDNN's blocked layout is read once per call at any row count; the
 streamed kernel reads the weight in place, row by row, once for up to 8 rows. Which is fastest depends on the
 machine, the layer's shape and the row count (on these cores the packed ``lm_head`` wins at every row count, the
-small decoder matrices lose at one row), so it is measured, never assumed, and in place: per weight shape and bucket
+small decoder matrices lose at one row), so it is measured, never assumed, and in place. The packed kernel is not
+monotonic in the rows: on 2 AMD EPYC cores SmolLM2's 121 products took 40 / 48 / 35 / 33 ms at 1 / 2 / 3 / 4 rows on
+one thread (26 / 28 / 24 / 23 at two), so for 1-3 rows it is a candidate twice, as is and with the rows padded with
+zeros to ``PADDED_ROWS`` (each row's outputs are its own: the padding's are dropped). Per weight shape and bucket
 of query rows, the engine's own forwards take the kernels in turn until each has run ``TRIALS`` forwards, then the
 fastest (by median; another than ``F.linear`` only if faster by at least ``1 - MIN_GAIN``) computes every later call
 of every layer of that shape. Within one forward every layer of a shape runs the same kernel and the
@@ -61,10 +65,11 @@ from torch.nn import functional as F
 from .streamed import MAX_MATRICES, streamable, streamed_kernel_available, streamed_linears
 from .streamed import MAX_ROWS as MAX_STREAMED_ROWS
 
-LINEAR, PACKED, STREAMED = 0, 1, 2  # the kernels, as ``LinearKernels.choice`` names them
+LINEAR, PACKED, STREAMED, PADDED = 0, 1, 2, 3  # the kernels, as ``LinearKernels.choice`` names them
 MAX_PACKED_ROWS = 256  # above this many query rows GEMM's own packing is amortised: F.linear, nothing measured
 TRIALS = 3  # forwards per kernel, per weight shape and bucket, before the choice is made
 MIN_GAIN = 0.95  # another kernel must be 5% faster to be chosen: a tie keeps the model's own (and its rounding)
+PADDED_ROWS = 4  # the rows the padded kernel computes (fewer rows are padded up to it)
 
 
 def packed_kernel_available() -> bool:
@@ -115,6 +120,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def padded_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``packed_linear`` over ``x``'s rows padded with zero rows to ``PADDED_ROWS`` (more rows: as they are)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] >= PADDED_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    padded = rows.new_zeros(PADDED_ROWS, rows.shape[1])
+    padded[:rows.shape[0]] = rows
+    out = torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")
+    return out[:rows.shape[0]].view(*x.shape[:-1], out.shape[-1])  # the first rows: contiguous, no copy
+
+
 @dataclass
 class Packed:
     """Siblings' weights stacked and packed for one generation call, their stacked bias and each one's output width."""
@@ -158,8 +174,8 @@ class SiblingFinder:
 
 class LinearKernels:
     """A model's eligible linear layers (and, for one generation call, those of modules it ``adopt``s), their packed
-    weights, and per weight shape and bucket of query rows the choice between ``F.linear``, the packed and the
-    streamed kernel, measured. Use ``with kernels.active():`` around a generation call and ``with
+    weights, and per weight shape and bucket of query rows the choice between ``F.linear``, the packed kernel (as is
+    or padded) and the streamed kernel, measured. Use ``with kernels.active():`` around a generation call and ``with
     kernels.forward(rows):`` around each forward whose kernels are chosen by its rows. ``LinearKernels(None)`` leaves
     every layer alone."""
 
@@ -177,7 +193,7 @@ class LinearKernels:
         self.unit_shapes: dict[tuple[nn.Linear, ...], tuple] = {}  # the model's units -> their siblings_shape
         self.trials: dict[tuple, tuple[list[float], ...]] = {}  # (shape, bucket) -> per kernel, per forward
         self.running_trials: dict[tuple, Trial] = {}  # in the forward running
-        self.choice: dict[tuple, int] = {}  # (shape, bucket) -> the kernel kept (LINEAR, PACKED, STREAMED)
+        self.choice: dict[tuple, int] = {}  # (shape, bucket) -> the kernel kept (LINEAR, PACKED, STREAMED, PADDED)
         self.bucket: int | None = None  # of the forward running, None: outside one (F.linear)
         self.running = False
         self.pack_seconds = 0.0
@@ -208,9 +224,9 @@ class LinearKernels:
     def _product(self, kernel: int, siblings: tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
         """The first sibling's output from one product over all of them, packed or streamed; the others' wait in
         ``stash``."""
-        if kernel == PACKED:
+        if kernel in (PACKED, PADDED):
             packed = self._packed(siblings)
-            out = packed_linear(x, packed.weight, packed.bias)
+            out = (packed_linear if kernel == PACKED else padded_linear)(x, packed.weight, packed.bias)
             if len(siblings) == 1:
                 return out
             parts = [part.contiguous() for part in out.split(packed.widths, dim=-1)]  # a model may `.view` them
@@ -222,12 +238,13 @@ class LinearKernels:
 
     def candidates(self, bucket: int) -> list[int]:
         """The kernels measured for a bucket of rows on this machine, ``F.linear`` first."""
-        return [LINEAR] + [PACKED] * packed_kernel_available() + [STREAMED] * (
-            bucket <= MAX_STREAMED_ROWS and streamed_kernel_available())
+        packed = packed_kernel_available()
+        streamed = bucket <= MAX_STREAMED_ROWS and streamed_kernel_available()
+        return [LINEAR] + [PACKED] * packed + [STREAMED] * streamed + [PADDED] * (packed and bucket < PADDED_ROWS)
 
     def _compute(self, kernel: int, module: nn.Linear, siblings: tuple[nn.Linear, ...], x: torch.Tensor):
-        if kernel == PACKED and siblings[0] is module:
-            return self._product(PACKED, siblings, x)
+        if kernel in (PACKED, PADDED) and siblings[0] is module:
+            return self._product(kernel, siblings, x)
         if kernel == STREAMED and x.numel() <= MAX_STREAMED_ROWS * x.shape[-1]:
             unit = siblings if siblings[0] is module and len(siblings) <= MAX_MATRICES else (module,)
             streams = self.streamable.get(unit)
@@ -261,12 +278,12 @@ class LinearKernels:
                 return self._compute(kernel, module, siblings, x)
             trial = self.running_trials.get(key)
             if trial is None:
-                times = self.trials.setdefault(key, tuple([] for _ in range(STREAMED + 1)))
+                times = self.trials.setdefault(key, tuple([] for _ in range(PADDED + 1)))
                 turn = min(self.candidates(self.bucket), key=lambda k: len(times[k]))  # F.linear first
                 trial = self.running_trials[key] = Trial(turn)
             if trial.kernel != LINEAR and not leads:  # its first sibling ran on another input: alone, untimed
                 return F.linear(x, weight, bias)
-            trial.spoiled |= trial.kernel == PACKED and siblings not in self.packed
+            trial.spoiled |= trial.kernel in (PACKED, PADDED) and siblings not in self.packed
             start = time.perf_counter()
             out = self._compute(trial.kernel, module, siblings, x)
             trial.seconds += time.perf_counter() - start

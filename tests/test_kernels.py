@@ -77,8 +77,8 @@ def force(monkeypatch, model, kernel: str) -> list[int]:
     monkeypatch.setattr(kernels_mod, "MAX_PACKED_ROWS", 1 << 20)
     if kernel in ("packed", "padded"):
         name = f"{kernel}_linear"
-        monkeypatch.setattr(kernels_mod, "PADDED_ROWS", 1 << 16)  # every call padded, the proofs' thousands of rows too
-
+        if kernel == "padded":  # every call padded, the proofs' thousands of rows too
+            monkeypatch.setattr(kernels_mod, "PADDED_ROWS", 1 << 16)
         linear = getattr(kernels_mod, name)
 
         def counted(x, packed, bias):

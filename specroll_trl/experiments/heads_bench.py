@@ -144,9 +144,8 @@ def step_cost(model, tokenizer, heads_folder: str | Path, batch_sizes=(1, 8, 32)
                                 "drawn_share": drafted[key][1] / drafted[key][0] if drafted[key][0] else None})
                 if progress:
                     print(f"batch {batch:>2} nodes {n:>2} {rule or 'plain':>6} {kind:>8}: step {1000 * step:7.1f} ms = "
-                          f"{step / base:.2f}x "
-                          f"a plain step (by repeat, median {statistics.median(by_repeat):.2f}x); packing "
-                          f"{1000 * pack:.0f} ms a call, {packed / base_packing:.2f}x with it spread over "
+                          f"{step / base:.2f}x a plain step (by repeat, median {statistics.median(by_repeat):.2f}x); "
+                          f"packing {1000 * pack:.0f} ms a call, {packed / base_packing:.2f}x with it spread over "
                           f"{max_new_tokens} tokens", flush=True)
     return records
 

@@ -12,6 +12,8 @@
   (``engine.kvcache.RoomyLayer``, what the engine runs) against transformers' ``DynamicLayer``, alternating;
 * ``commit``: ms per step at 0 / 1 / 4 draft nodes and 1 / 8 rows with a KV commit that moves no slot where every
   accepted node already sits in its own (what the engine runs) against one that gathers every step, alternating;
+* ``walk``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the rejection walk as one C++ call
+  (``engine.walk_kernel``, what the engine runs on CPU) against the PyTorch reference, alternating;
 * ``siblings``: ms per step at 0 / 4 / 16 draft nodes and 1 / 8 rows with the layers that read one input (query, key
   and value; gate and up) packed as one product (what the engine runs) against every layer alone, alternating; then
   the decoder's linears alone in both layouts, ``F.linear`` and packed, at 1-17 rows;
@@ -46,7 +48,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 from specroll_trl.adapt.samples import left_pad
-from specroll_trl.engine import SpeculativeGenerator
+from specroll_trl.engine import SpeculativeGenerator, walk_kernel
 from specroll_trl.engine import generator as engine_module
 from specroll_trl.engine.heads import SpeculativeHeads, VocabProjection
 from specroll_trl.engine.kernels import kernels_of, packed_linear
@@ -128,11 +130,11 @@ def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3, node
     for num_nodes in nodes:
         engine = SpeculativeGenerator(model, heads, gc, max_nodes=num_nodes, candidates="drawn", capacity=10**9)
         engine.generate(ids, mask, max_new_tokens=8)  # kernels measured and packed here, untimed
-        spent = dict.fromkeys(["head blocks", "projection", "draw_tree", "_draft", "rejection_walk", "cut",
+        spent = dict.fromkeys(["head blocks", "projection", "draw_tree", "_draft", "walk", "cut",
                                "kv commit", "_commit"], 0.0)
         targets = [(SpeculativeHeads, "head_state", "head blocks"), (VocabProjection, "__call__", "projection"),
                    (engine_module, "draw_tree", "draw_tree"), (engine, "_draft", "_draft"),
-                   (engine_module, "rejection_walk", "rejection_walk"), (engine_module, "cut", "cut"),
+                   (engine_module, "walk", "walk"), (engine_module, "cut", "cut"),
                    (RaggedCache, "commit", "kv commit"), (engine, "_commit", "_commit")]
         originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
         for (owner, name, label), (_, _, method) in zip(targets, originals):
@@ -210,6 +212,16 @@ def commit_moves(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
         "gathered": lambda: setattr(engine_module, "displaced",
                                     lambda accepted: torch.ones_like(accepted, dtype=torch.bool))},
         **{"batches": (1, 8), "nodes": (0, 1, 4), **cells})
+
+
+def walk_paths(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
+    """The rejection walk as one C++ call (``engine.walk_kernel``, what the engine runs on CPU) against the PyTorch
+    reference (``drawn.rejection_walk``); both make the same decisions on the same uniforms."""
+    available = walk_kernel.walk_kernel_available
+    paired_steps(model, tokenizer, heads, gc, {
+        "kernel": lambda: setattr(walk_kernel, "walk_kernel_available", available),
+        "reference": lambda: setattr(walk_kernel, "walk_kernel_available", lambda: False)},
+        **{"batches": (1, 8), "nodes": (0, 4, 16), **cells})
 
 
 def sibling_products(model, tokenizer, heads, gc, ids, mask, **cells) -> None:
@@ -374,9 +386,10 @@ def gemm_rate(*_) -> None:
 # which of --rows (``batches``) and --nodes each part takes
 CELLS = {"attention": ("batches", "nodes"), "cache": ("batches", "nodes"), "commit": ("batches", "nodes"),
          "siblings": ("batches", "nodes"), "profiles": ("batches", "nodes"), "phases": ("batches", "nodes"),
-         "drafting": ("nodes",)}
+         "walk": ("batches", "nodes"), "drafting": ("nodes",)}
 PARTS = {"steps": step_times, "phases": phase_times, "drafting": drafting_parts, "attention": attention_paths,
-         "cache": cache_layers, "commit": commit_moves, "siblings": sibling_products, "leaving": rows_leaving,
+         "cache": cache_layers, "commit": commit_moves, "walk": walk_paths, "siblings": sibling_products,
+         "leaving": rows_leaving,
          "profiles": profiles, "lm_head": lm_head_products, "layouts": decoder_layouts, "gemm": gemm_rate}
 
 
@@ -385,7 +398,8 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+",
-                        help="rows of the paired parts (attention, cache, commit, siblings), of phases and of profiles")
+                        help="rows of the paired parts (attention, cache, commit, walk, siblings), of phases and of "
+                             "profiles")
     parser.add_argument("--nodes", type=int, nargs="+",
                         help="draft nodes of the side-by-side parts, phases, drafting and profiles")
     args = parser.parse_args()

@@ -8,6 +8,7 @@ from transformers import GenerationConfig
 
 from specroll_trl.engine import drawn as drawn_mod
 from specroll_trl.engine import generator as generator_mod
+from specroll_trl.engine import walk_kernel
 from specroll_trl.engine.drawn import AcceptanceByRank, TreeShape, rank_acceptance
 from specroll_trl.engine.generator import SpeculativeGenerator
 from specroll_trl.engine.heads import SpeculativeHeads
@@ -191,6 +192,7 @@ def test_chi_square_detects_top_k_candidates_checked_with_p_over_q(monkeypatch):
     gc = GenerationConfig(do_sample=True, max_new_tokens=3, eos_token_id=1, pad_token_id=0, temperature=1.0, top_k=0)
     original = drawn_mod.rank_acceptance
     monkeypatch.setattr(drawn_mod, "rank_acceptance", lambda p, q, children, fixed: original(p, q, children, 0))
+    monkeypatch.setattr(walk_kernel, "walk_kernel_available", lambda: False)  # the biased chain is the reference's
     samples, _ = engine_samples(model, heads, gc, n_per_prompt=12000, seed=5, candidates="drawn", fixed_children=2)
     exact = exact_completion_distribution(model, PROMPTS[0], gc)
     assert chi_square_pvalue(samples[0], exact) < 1e-6
@@ -234,8 +236,8 @@ def test_greedy_never_draws(monkeypatch):
     gc = GenerationConfig(do_sample=False, max_new_tokens=10, eos_token_id=1, pad_token_id=0)
     ids = torch.tensor([[5, 6, 7, 8]] * 3)
     walks = []
-    counted = lambda *args: walks.append(1) or drawn_mod.rejection_walk(*args)  # noqa: E731
-    monkeypatch.setattr(generator_mod, "rejection_walk", counted)
+    counted = lambda *args: walks.append(1) or walk_kernel.walk(*args)  # noqa: E731
+    monkeypatch.setattr(generator_mod, "walk", counted)
     out = SpeculativeGenerator(model, heads, gc, capacity=10**9, max_nodes=4, candidates="drawn").generate(
         ids, torch.ones_like(ids))
     reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc)

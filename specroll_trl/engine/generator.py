@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 from .attention import grouped_attention
 from .budget import FixedBudget, NodeBudget, OnlineBudget
 from .compat import any_rank_active, check_model_supported, local_copies, should_sync
-from .drawn import AcceptanceByRank, DrawnDraft, draw_tree, expected_accepted_drawn, rejection_walk
+from .drawn import AcceptanceByRank, DrawnDraft, draw_tree, expected_accepted_drawn
 from .heads import SpeculativeHeads, VocabProjection, lm_head_of
 from .hooks import DraftSlots, GenerationContext, StepFeedback, StepHook
 from .kernels import LinearKernels, kernels_of
@@ -43,6 +43,7 @@ from .verify import (
     expected_accepted,
     path_probability,
 )
+from .walk_kernel import walk, walk_kernel_available
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +353,8 @@ class SpeculativeGenerator:
                                    else FixedBudget(self.config.capacity, self.config.max_nodes, rules))
         # what the rejection verifier accepts by depth and rank: the shape of drawn trees (kept across calls)
         self.acceptance = AcceptanceByRank(heads.num_heads, self.config.topk_per_head)
+        if "drawn" in rules and self.lm_head.weight.is_cpu:
+            walk_kernel_available()  # built (once per machine and source) here, not inside a timed step
         self.kernels = kernels_of(model) if self.config.pack_linears else LinearKernels(None)
         self.supported_error: str | None = None
         self._warned_options: set[tuple[str, ...]] = set()
@@ -595,7 +598,7 @@ class SpeculativeGenerator:
             shape = draft.drawn.shape
             uniforms = torch.rand((rows.numel(), shape.max_depth + 2, shape.children.shape[1]), device=rows.device,
                                   dtype=torch.float64)
-            outcome = rejection_walk(draft.drawn, verdict.probs, self.config.fixed_children, uniforms)
+            outcome = walk(draft.drawn, verdict.probs, self.config.fixed_children, uniforms)
             self.acceptance.observe(outcome.alpha_sum, outcome.tried)
             step = cut(tree, outcome.accepted, outcome.next_root, state.eos, room)
             reach = outcome.reach[:, 1:]  # each draft node's chance of acceptance; drawn trees list them best first

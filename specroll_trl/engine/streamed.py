@@ -10,11 +10,9 @@ a software prefetch ahead of it, and multiplies it with every row of the input, 
 nothing copied), so it always computes with the weights the trainer just updated; several weights that read one
 input (a layer's query, key and value projections) are one call, their rows shared by the threads.
 
-It is C++ (``streamed_linear.cpp`` beside this module), built on first use with the system's C++ compiler
-(``$CXX``, else ``c++``/``g++``) for this machine's instruction set, cached under ``$SPECROLL_HOME/kernels/`` by a
-hash of the source, the compiler and the CPU's flags, and loaded through ``ctypes``; its OpenMP threads are
-torch's. Where there is no compiler or the build fails, ``streamed_kernel_available()`` is false and the engine
-chooses among the other kernels; ``SPECROLL_STREAMED_KERNEL=0`` turns it off. Like every kernel it is only a
+It is C++ (``streamed_linear.cpp`` beside this module), built on first use by ``engine.native``; its OpenMP
+threads are torch's. Where there is no compiler or the build fails, ``streamed_kernel_available()`` is false and the
+engine chooses among the other kernels; ``SPECROLL_STREAMED_KERNEL=0`` turns it off. Like every kernel it is only a
 candidate: ``engine.kernels`` measures it against ``F.linear`` and the packed kernel per weight shape and row count.
 Its sums run in another order than a BLAS's: outputs agree to float rounding, as any two kernels' do.
 """
@@ -23,70 +21,24 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
-from ..files import specroll_home
+from .native import load_library
 
 MAX_ROWS = 8  # the kernel has code for 1-8 rows; at 9-16 it ran no faster than the packed kernel
 MAX_MATRICES = 16  # weights computed as one product
 SOURCE = Path(__file__).with_name("streamed_linear.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-
-logger = logging.getLogger(__name__)
-
-
-def _cpu_signature() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return f"{platform.machine()} {platform.processor()} {flags}"
-
-
-def _build(compiler: str) -> Path:
-    """The shared library for this source, compiler and CPU: built once (atomically, several processes may race)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
-    library = specroll_home() / "kernels" / f"streamed_linear-{key}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        partial = library.with_name(f"{library.name}.tmp{os.getpid()}")
-        try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
-                           check=True, timeout=300)
-            os.replace(partial, library)
-        finally:
-            partial.unlink(missing_ok=True)
-    return library
 
 
 @functools.cache
 def _library():
     """The loaded kernel, or None (turned off, no compiler, a failed build: the reason is logged once)."""
-    if os.environ.get("SPECROLL_STREAMED_KERNEL", "1") == "0":
-        return None
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        logger.info("streamed linear kernel unavailable: no C++ compiler (set $CXX)")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        logger.warning("streamed linear kernel unavailable: building it with %s failed: %s", compiler, detail)
-        return None
-    library.streamed_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    library.streamed_linear.restype = ctypes.c_int
+    library = load_library(SOURCE, "SPECROLL_STREAMED_KERNEL")
+    if library is not None:
+        library.streamed_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        library.streamed_linear.restype = ctypes.c_int
     return library
 
 

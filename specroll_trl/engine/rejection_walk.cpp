@@ -64,7 +64,6 @@ void chain(const Shape& s, const Draft& d, const float* probs_row, const float* 
   target_at(probs_row, d, p.data());
   std::copy(q_node, q_node + d.vq, q.begin());
   q[d.vq] = 0.0f;
-  double q_sum = total(q.data(), d.vq);
   double p_scale = 1.0;  // the chain's p is p_scale * p
   for (int64_t r = 0; r < s.width; r++) {
     const int64_t child = s.children[node * s.width + r];
@@ -72,6 +71,7 @@ void chain(const Shape& s, const Draft& d, const float* probs_row, const float* 
     if (child < 0) continue;
     const int64_t at = index_row[child];
     const bool point = r < fixed;
+    const double q_sum = point ? 1.0 : total(q.data(), d.vq);  // summed again, as the reference does: no drift
     const double q_c = point ? 1.0 : q[at] / std::max(q_sum, TINY);
     if (!(q_c > 0)) continue;  // a drawn child of q-mass 0 is no child
     const double p_c = p[at] * p_scale;
@@ -93,7 +93,6 @@ void chain(const Shape& s, const Draft& d, const float* probs_row, const float* 
         p_scale = 1.0 / mass;
       }
     }
-    q_sum -= q[at];
     q[at] = 0.0f;
   }
   if (residual) {

@@ -1,5 +1,6 @@
 """Shared fixtures: random-init small Qwen2 models (instant) and the `nano` zoo policy with heads (built once)."""
 
+import contextlib
 import os
 
 if "OMP_NUM_THREADS" not in os.environ:
@@ -12,6 +13,20 @@ import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
+
+
+@contextlib.contextmanager
+def native_kernel_unbuilt(monkeypatch, tmp_path, module, setting: dict):
+    """``module``'s C++ kernel (``engine.streamed``, ``engine.walk_kernel``) as on a machine that lacks it: an empty
+    cache and ``setting`` (a compiler that does not exist, or the kernel's switch off)."""
+    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))  # no library built before
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    module._library.cache_clear()
+    try:
+        yield
+    finally:
+        module._library.cache_clear()
 
 
 def make_model(vocab: int = 32, hidden: int = 32, layers: int = 2, seed: int = 0, eos: int = 1, pad: int = 0,

@@ -23,7 +23,7 @@ from specroll_trl.engine.kernels import (
 )
 from specroll_trl.engine.streamed import MAX_ROWS, streamed_kernel_available, streamed_linear, streamed_linears
 
-from .conftest import left_padded, make_model
+from .conftest import left_padded, make_model, native_kernel_unbuilt
 from .test_engine import (
     PROMPTS,
     chi_square_pvalue,
@@ -457,11 +457,7 @@ def test_without_the_streamed_kernel_the_choice_is_among_the_others(monkeypatch,
     choice is between ``F.linear`` and the packed kernel."""
     from specroll_trl.engine import streamed
 
-    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))  # no library built before
-    for name, value in setting.items():
-        monkeypatch.setenv(name, value)
-    streamed._library.cache_clear()
-    try:
+    with native_kernel_unbuilt(monkeypatch, tmp_path, streamed, setting):
         assert not streamed.streamed_kernel_available()
         model = make_model()
         engine = SpeculativeGenerator(model, SpeculativeHeads.from_model(model, 2),
@@ -471,8 +467,6 @@ def test_without_the_streamed_kernel_the_choice_is_among_the_others(monkeypatch,
         assert len(engine.generate(torch.tensor([[3, 4, 5]])).completion_ids[0]) == 8
         assert kernels_mod.STREAMED not in engine.kernels.choice.values()
         assert ("failed" in caplog.text) == ("CXX" in setting) and not list(tmp_path.glob("kernels/*.so"))
-    finally:
-        streamed._library.cache_clear()
 
 
 def test_engine_without_packing_leaves_the_model_alone():

@@ -10,7 +10,7 @@ from specroll_trl.engine import walk_kernel
 from specroll_trl.engine.drawn import TreeShape, draw_tree
 from specroll_trl.engine.generator import SpeculativeGenerator
 
-from .conftest import make_model
+from .conftest import make_model, native_kernel_unbuilt
 from .test_engine import engine_samples, noisy_heads
 
 needs_kernel = pytest.mark.skipif(not walk_kernel.walk_kernel_available(),
@@ -93,11 +93,7 @@ def test_the_engine_walks_through_the_kernel_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("setting", [{"CXX": "/nonexistent/c++"}, {"SPECROLL_WALK_KERNEL": "0"}])
 def test_without_the_kernel_the_reference_walks(monkeypatch, tmp_path, setting):
-    monkeypatch.setenv("SPECROLL_HOME", str(tmp_path))  # no library built before
-    for name, value in setting.items():
-        monkeypatch.setenv(name, value)
-    walk_kernel._library.cache_clear()
-    try:
+    with native_kernel_unbuilt(monkeypatch, tmp_path, walk_kernel, setting):
         assert not walk_kernel.walk_kernel_available()
         draft, probs, fixed, uniforms = random_draft(torch.Generator().manual_seed(2), 3)
         torch.manual_seed(0)
@@ -107,8 +103,6 @@ def test_without_the_kernel_the_reference_walks(monkeypatch, tmp_path, setting):
         assert torch.equal(fallback.accepted, reference.accepted)
         assert torch.equal(fallback.next_root, reference.next_root)
         assert not list(tmp_path.glob("kernels/*.so"))
-    finally:
-        walk_kernel._library.cache_clear()
 
 
 @needs_kernel

@@ -10,7 +10,6 @@
 // p is kept unnormalised with a scale, so each rank is one pass over the vocabulary (float32 as the reference's;
 // sums in float64).
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -192,7 +191,8 @@ extern "C" int rejection_walk(
       for (int64_t k = 0; k <= max_depth; k++)
         accepted[b * (max_depth + 1) + k] = k <= depth[stop] ? ancestor_at[stop * ancestor_cols + k] : -1;
 
-      // the next root: the chain's residual where the row stopped past its children, p itself at a leaf
+      // the next root: the chain's residual where the row stopped past its children (that one chain run again:
+      // keeping every node's residual would move more memory than it saves), p itself at a leaf
       const float* probs_stop = probs + (b * size + stop) * vocab_size;
       if (children[stop * width] >= 0) {
         std::vector<float> unused(width);

@@ -154,8 +154,9 @@ def drafting_parts(model, tokenizer, heads, gc, ids, mask, rounds: int = 3, node
 def paired_steps(model, tokenizer, heads, gc, arms: dict, rounds: int = 5, batches=(1, 8), nodes=(0, 4, 16)) -> None:
     """Step ms (the prefill and the call's packing left out) at each number of drawn ``nodes`` and of rows, the two
     ``arms`` (label -> a function that sets the engine up that way) alternating call by call, which goes first
-    alternating round by round."""
+    alternating round by round. The plain step (0 nodes) is always among them: its engine times the prefill."""
     (first, set_first), (second, _) = arms.items()
+    nodes = tuple(sorted({0, *nodes}))
     for batch in batches:
         ids, mask = left_pad(bench_prompts(tokenizer, batch), tokenizer.pad_token_id)
         engines = {n: SpeculativeGenerator(model, heads, gc, max_nodes=n, candidates="drawn", capacity=10**9)
